@@ -1,0 +1,251 @@
+"""Loading LoRA adapters saved in PEFT's format (``save_pretrained``).
+
+An adapter directory holds ``adapter_config.json`` and ``adapter_model.safetensors``
+(or ``adapter_model.bin``, read with ``torch.load(weights_only=True)``). Tensors are
+named ``base_model.model.<module>.lora_A.weight`` / ``lora_B.weight`` for linear
+layers and ``...<module>.lora_embedding_A`` / ``lora_embedding_B`` for embeddings.
+
+Scaling follows PEFT: ``lora_alpha / r``, or ``lora_alpha / sqrt(r)`` with
+``use_rslora``, where ``rank_pattern`` / ``alpha_pattern`` override ``r`` and
+``lora_alpha`` per module. Anything the math here does not cover (DoRA, LoRA
+bias, ``modules_to_save``, other PEFT types) is rejected with a clear error.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+__all__ = ["LoRAModuleWeights", "PeftAdapter", "load_peft_adapter", "save_peft_adapter", "peft_scaling", "AdapterFormatError"]
+
+CONFIG_NAME = "adapter_config.json"
+SAFETENSORS_NAME = "adapter_model.safetensors"
+BIN_NAME = "adapter_model.bin"
+_PREFIX = "base_model.model."
+_SUFFIXES = {
+    ".lora_A.weight": ("linear", "a"),
+    ".lora_B.weight": ("linear", "b"),
+    ".lora_embedding_A": ("embedding", "a"),
+    ".lora_embedding_B": ("embedding", "b"),
+}
+
+
+class AdapterFormatError(ValueError):
+    """The adapter directory is malformed or uses a feature lora-kit does not support."""
+
+
+@dataclass(frozen=True)
+class LoRAModuleWeights:
+    """One module's LoRA pair.
+
+    Linear: ``lora_a (r, in)``, ``lora_b (out, r)``.
+    Embedding: ``lora_a (r, V)``, ``lora_b (D, r)``.
+    """
+
+    name: str
+    kind: str  # "linear" or "embedding"
+    lora_a: torch.Tensor
+    lora_b: torch.Tensor
+    scaling: float
+
+    @property
+    def rank(self) -> int:
+        return self.lora_a.shape[0]
+
+
+@dataclass(frozen=True)
+class PeftAdapter:
+    """A loaded PEFT LoRA adapter: its config and the weights of each module it targets."""
+
+    path: Path
+    config: dict
+    modules: dict[str, LoRAModuleWeights] = field(repr=False)
+
+    @property
+    def rank(self) -> int:
+        """The largest module rank (the rank of the slot it occupies)."""
+        return max(m.rank for m in self.modules.values())
+
+    @property
+    def use_rslora(self) -> bool:
+        return bool(self.config.get("use_rslora", False))
+
+
+def _pattern_value(patterns: dict, module: str, default):
+    """PEFT's rule: the first pattern key that matches the end of the module name."""
+    for key, value in patterns.items():
+        if re.match(rf"(.*\.)?({key})$", module):
+            return value
+    return default
+
+
+def peft_scaling(alpha: float, rank: int, use_rslora: bool) -> float:
+    """PEFT's scaling: ``alpha / r``, or ``alpha / sqrt(r)`` for rsLoRA."""
+    return alpha / math.sqrt(rank) if use_rslora else alpha / rank
+
+
+def _read_config(path: Path) -> dict:
+    config_path = path / CONFIG_NAME
+    if not config_path.is_file():
+        raise FileNotFoundError(f"no {CONFIG_NAME} in adapter directory {path}")
+    try:
+        config = json.loads(config_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise AdapterFormatError(f"{config_path} is not valid JSON: {exc}") from None
+    if not isinstance(config, dict):
+        raise AdapterFormatError(f"{config_path} must hold a JSON object, got {type(config).__name__}")
+    peft_type = config.get("peft_type", "LORA")
+    if str(peft_type).upper() != "LORA":
+        raise AdapterFormatError(f"{config_path}: peft_type {peft_type!r} is not supported (only LORA)")
+    unsupported = {
+        "use_dora": "DoRA (use_dora)",
+        "lora_bias": "LoRA bias (lora_bias)",
+        "modules_to_save": "fully trained modules (modules_to_save)",
+        "trainable_token_indices": "trainable tokens (trainable_token_indices)",
+        "target_parameters": "parameter targeting (target_parameters)",
+    }
+    for key, what in unsupported.items():
+        if config.get(key):
+            raise AdapterFormatError(f"{config_path}: {what} is not supported")
+    for key in ("r", "lora_alpha"):
+        value = config.get(key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            raise AdapterFormatError(f"{config_path}: {key} must be a positive number, got {value!r}")
+    for key in ("rank_pattern", "alpha_pattern"):
+        if not isinstance(config.get(key) or {}, dict):
+            raise AdapterFormatError(f"{config_path}: {key} must be an object, got {config.get(key)!r}")
+    return config
+
+
+def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    st_path, bin_path = path / SAFETENSORS_NAME, path / BIN_NAME
+    if st_path.is_file():
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+
+        try:
+            return load_file(str(st_path))
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise AdapterFormatError(f"cannot read {st_path}: {exc}") from None
+    if bin_path.is_file():
+        try:
+            tensors = torch.load(bin_path, map_location="cpu", weights_only=True)
+        except Exception as exc:  # torch raises several types for unsafe or corrupt pickles
+            raise AdapterFormatError(f"cannot read {bin_path} safely (weights_only=True): {exc}") from None
+        if not isinstance(tensors, dict) or not all(isinstance(v, torch.Tensor) for v in tensors.values()):
+            raise AdapterFormatError(f"{bin_path} must hold a dict of tensors")
+        return tensors
+    raise FileNotFoundError(f"no {SAFETENSORS_NAME} or {BIN_NAME} in adapter directory {path}")
+
+
+def load_peft_adapter(path: str | Path) -> PeftAdapter:
+    """Read a PEFT LoRA adapter directory; tensors stay on the CPU in their saved dtype."""
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"adapter directory {path} does not exist")
+    config = _read_config(path)
+    tensors = _read_tensors(path)
+
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    kinds: dict[str, str] = {}
+    for key, tensor in tensors.items():
+        for suffix, (kind, side) in _SUFFIXES.items():
+            if key.endswith(suffix):
+                module = key[: -len(suffix)]
+                module = module[len(_PREFIX):] if module.startswith(_PREFIX) else module
+                pairs.setdefault(module, {})[side] = tensor
+                kinds[module] = kind
+                break
+        else:
+            raise AdapterFormatError(
+                f"{path}: unsupported tensor {key!r} (expected lora_A/lora_B or lora_embedding_A/B weights)"
+            )
+    if not pairs:
+        raise AdapterFormatError(f"{path}: the adapter holds no LoRA weights")
+
+    use_rslora = bool(config.get("use_rslora", False))
+    rank_pattern = config.get("rank_pattern") or {}
+    alpha_pattern = config.get("alpha_pattern") or {}
+    modules: dict[str, LoRAModuleWeights] = {}
+    for module, pair in sorted(pairs.items()):
+        if set(pair) != {"a", "b"}:
+            missing = "B" if "a" in pair else "A"
+            raise AdapterFormatError(f"{path}: module {module!r} has no LoRA {missing} weight")
+        a, b = pair["a"], pair["b"]
+        if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[1] or not a.is_floating_point():
+            raise AdapterFormatError(
+                f"{path}: module {module!r} has LoRA weights of shapes {tuple(a.shape)} and {tuple(b.shape)}; "
+                "expected A (r, in) and B (out, r) with the same r"
+            )
+        rank = a.shape[0]
+        declared = _pattern_value(rank_pattern, module, config["r"])
+        if declared != rank:
+            raise AdapterFormatError(
+                f"{path}: module {module!r} has rank {rank} but adapter_config.json declares r = {declared}"
+            )
+        alpha = _pattern_value(alpha_pattern, module, config["lora_alpha"])
+        modules[module] = LoRAModuleWeights(
+            name=module,
+            kind=kinds[module],
+            lora_a=a,
+            lora_b=b,
+            scaling=peft_scaling(alpha, rank, use_rslora),
+        )
+    return PeftAdapter(path=path, config=config, modules=modules)
+
+
+def save_peft_adapter(
+    path: str | Path,
+    modules: dict[str, tuple[torch.Tensor, torch.Tensor]],
+    *,
+    lora_alpha: float,
+    r: int | None = None,
+    use_rslora: bool = False,
+    embedding_modules: tuple[str, ...] = (),
+    rank_pattern: dict[str, int] | None = None,
+    alpha_pattern: dict[str, float] | None = None,
+    base_model_name_or_path: str | None = None,
+) -> Path:
+    """Write an adapter in PEFT's on-disk format (what ``save_pretrained`` writes).
+
+    ``modules`` maps a module name to ``(A, B)``: ``A (r, in)``, ``B (out, r)``
+    (embeddings, named in ``embedding_modules``: ``A (r, V)``, ``B (D, r)``).
+    ``r`` defaults to the most common module rank.
+    """
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    ranks = [a.shape[0] for a, _ in modules.values()]
+    r = r if r is not None else max(set(ranks), key=ranks.count)
+    tensors = {}
+    for name, (a, b) in modules.items():
+        if name in embedding_modules:
+            tensors[f"{_PREFIX}{name}.lora_embedding_A"] = a.contiguous()
+            tensors[f"{_PREFIX}{name}.lora_embedding_B"] = b.contiguous()
+        else:
+            tensors[f"{_PREFIX}{name}.lora_A.weight"] = a.contiguous()
+            tensors[f"{_PREFIX}{name}.lora_B.weight"] = b.contiguous()
+    save_file(tensors, str(path / SAFETENSORS_NAME))
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model_name_or_path,
+        "r": r,
+        "lora_alpha": lora_alpha,
+        "use_rslora": use_rslora,
+        "target_modules": sorted({name.rsplit(".", 1)[-1] for name in modules}),
+        "rank_pattern": rank_pattern or {},
+        "alpha_pattern": alpha_pattern or {},
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "use_dora": False,
+        "modules_to_save": None,
+    }
+    (path / CONFIG_NAME).write_text(json.dumps(config, indent=2))
+    return path

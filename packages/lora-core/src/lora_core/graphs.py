@@ -1,0 +1,40 @@
+"""Whether a graph capture is in progress, for library code that must behave differently."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Iterator
+
+import torch
+
+__all__ = ["is_capturing", "simulated_capture"]
+
+_state = threading.local()
+
+
+def is_capturing() -> bool:
+    """True inside a CUDA/NPU graph capture on the current stream or a simulated one.
+
+    Unlike ``torch.cuda.is_current_stream_capturing`` this never raises on builds
+    without CUDA and never initialises a device.
+    """
+    if getattr(_state, "depth", 0):
+        return True
+    if torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing():
+        return True
+    npu = getattr(torch, "npu", None)
+    probe = getattr(npu, "is_current_stream_capturing", None)
+    if probe is not None and getattr(npu, "is_initialized", lambda: False)():
+        return bool(probe())
+    return False
+
+
+@contextlib.contextmanager
+def simulated_capture() -> Iterator[None]:
+    """Marks a simulated capture (used by :class:`lora_core.testing.GraphSimulator`)."""
+    _state.depth = getattr(_state, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _state.depth -= 1

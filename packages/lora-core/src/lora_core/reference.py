@@ -1,0 +1,169 @@
+"""Reference LoRA math in fp32 on the host: the oracle every op is tested against.
+
+Written for clarity, not speed (SPEC §3, PEFT's math)::
+
+    shrink:  y[t, i*R : i*R + r] = scaling_l * A_l[i*R : i*R + r] @ x[t]
+    expand:  delta[t, o_i : o_{i+1}] = B_l[o_i : o_{i+1}, :r] @ y[t, i*R : i*R + r]
+    layer:   out = base(x) + delta
+
+for each token ``t`` of slot ``l`` with rank ``r``; tokens of slot -1 and slots of
+rank 0 get a zero delta. Embedding: ``y[t, :r] = scaling_l * A_l[:r, id]`` when
+``0 <= id < V + added``, else zero (the OOV policy: never a clamped neighbour).
+
+Every function takes tensors on any device and returns fp32 CPU tensors.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from .batch_info import BatchInfo
+from .layout import slice_offsets_from_widths
+
+__all__ = [
+    "reference_lora_a",
+    "reference_lora_b",
+    "reference_lora_a_embedding",
+    "reference_linear",
+    "reference_lm_head",
+    "reference_embedding",
+    "tokens_by_slot",
+]
+
+
+def tokens_by_slot(batch_info: BatchInfo, num_rows: int) -> dict[int, torch.Tensor]:
+    """Token indices of each active slot (slot >= 0 and rank > 0) among the first ``num_rows``."""
+    token_slots = batch_info.token_slots_cpu[:num_rows].tolist()
+    ranks = batch_info.lora_ranks_host
+    groups: dict[int, list[int]] = {}
+    for t, slot in enumerate(token_slots):
+        if slot >= 0 and ranks[slot] > 0:
+            groups.setdefault(slot, []).append(t)
+    return {slot: torch.tensor(idx, dtype=torch.long) for slot, idx in groups.items()}
+
+
+def _f32(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().to(device="cpu", dtype=torch.float32)
+
+
+def _offsets(slice_offsets: Sequence[int] | torch.Tensor) -> list[int]:
+    if isinstance(slice_offsets, torch.Tensor):
+        return [int(v) for v in slice_offsets.tolist()]
+    return [int(v) for v in slice_offsets]
+
+
+def reference_lora_a(x: torch.Tensor, a: torch.Tensor, batch_info: BatchInfo, num_slices: int = 1) -> torch.Tensor:
+    """Scaled shrink. ``x: (T, in)``, ``a: (L, c*R, in)`` -> ``(T, c*R)`` fp32."""
+    xf, af = _f32(x), _f32(a)
+    R = a.shape[1] // num_slices
+    out = torch.zeros(x.shape[0], a.shape[1])
+    for slot, idx in tokens_by_slot(batch_info, x.shape[0]).items():
+        r, s = batch_info.lora_ranks_host[slot], batch_info.scalings_host[slot]
+        for i in range(num_slices):
+            rows = slice(i * R, i * R + r)
+            out[idx, rows] = s * (xf[idx] @ af[slot, rows].T)
+    return out
+
+
+def reference_lora_b(
+    y: torch.Tensor, b: torch.Tensor, batch_info: BatchInfo, slice_offsets: Sequence[int] | torch.Tensor
+) -> torch.Tensor:
+    """Expand (no base). ``y: (T, c*R)``, ``b: (L, out_total, R)`` -> delta ``(T, out_total)`` fp32."""
+    yf, bf = _f32(y), _f32(b)
+    offsets = _offsets(slice_offsets)
+    R = b.shape[2]
+    out = torch.zeros(y.shape[0], b.shape[1])
+    for slot, idx in tokens_by_slot(batch_info, y.shape[0]).items():
+        r = batch_info.lora_ranks_host[slot]
+        for i in range(len(offsets) - 1):
+            cols = slice(offsets[i], offsets[i + 1])
+            out[idx, cols] = yf[idx, i * R : i * R + r] @ bf[slot, cols, :r].T
+    return out
+
+
+def reference_lora_a_embedding(
+    ids: torch.Tensor, a: torch.Tensor, batch_info: BatchInfo, vocab_size: int, num_added_tokens: int = 0
+) -> torch.Tensor:
+    """Scaled embedding shrink. ``ids: (T,)`` int, ``a: (L, R, V_total)`` -> ``(T, R)`` fp32.
+
+    Ids outside ``[0, vocab_size + num_added_tokens)`` get zeros.
+    """
+    af = _f32(a)
+    id_list = ids.detach().cpu().tolist()
+    total = vocab_size + num_added_tokens
+    out = torch.zeros(len(id_list), a.shape[1])
+    for slot, idx in tokens_by_slot(batch_info, len(id_list)).items():
+        r, s = batch_info.lora_ranks_host[slot], batch_info.scalings_host[slot]
+        for t in idx.tolist():
+            token = id_list[t]
+            if 0 <= token < total:
+                out[t, :r] = s * af[slot, :r, token]
+    return out
+
+
+def reference_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    batch_info: BatchInfo,
+    slice_offsets: Sequence[int] | torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Whole linear layer, plain or packed (qkv, gate_up): ``x @ W.T + bias + delta``.
+
+    ``x: (T, in)``, ``weight: (out_total, in)``, ``a: (L, c*R, in)``,
+    ``b: (L, out_total, R)``; ``slice_offsets`` defaults to one slice.
+    """
+    offsets = _offsets(slice_offsets) if slice_offsets is not None else slice_offsets_from_widths([b.shape[1]])
+    base = _f32(x) @ _f32(weight).T
+    if bias is not None:
+        base = base + _f32(bias)
+    shrink = reference_lora_a(x, a, batch_info, num_slices=len(offsets) - 1)
+    return base + reference_lora_b(shrink, b, batch_info, offsets)
+
+
+def reference_lm_head(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    batch_info: BatchInfo,
+    pruned: bool,
+) -> torch.Tensor:
+    """LM head: ``hidden: (rows, H)`` are every token (``pruned=False``) or the last
+    token of each request (``pruned=True``); ``weight: (V, H)``, ``b: (L, V, R)``."""
+    return reference_linear(hidden, weight, None, a, b, batch_info.lm_head_view(pruned))
+
+
+def reference_embedding(
+    ids: torch.Tensor,
+    weight: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    batch_info: BatchInfo,
+    extra_embeddings: torch.Tensor | None = None,
+    embed_scale: float = 1.0,
+) -> torch.Tensor:
+    """Whole embedding layer: ``embed_scale * (base(ids) + B_l @ shrink)``.
+
+    ``ids: (T,)``, ``weight: (V, D)``, ``a: (L, R, V + added)``, ``b: (L, D, R)``,
+    ``extra_embeddings: (L, added, D)``. ``base(id)`` is ``weight[id]`` for
+    ``id < V``, the slot's added embedding for ``V <= id < V + added`` (zero for
+    slot -1), and zero outside the vocabulary.
+    """
+    vocab_size = weight.shape[0]
+    added = extra_embeddings.shape[1] if extra_embeddings is not None else 0
+    wf = _f32(weight)
+    slots = batch_info.token_slots_cpu[: ids.shape[0]].tolist()
+    base = torch.zeros(ids.shape[0], weight.shape[1])
+    for t, token in enumerate(ids.detach().cpu().tolist()):
+        if 0 <= token < vocab_size:
+            base[t] = wf[token]
+        elif vocab_size <= token < vocab_size + added and slots[t] >= 0:
+            base[t] = _f32(extra_embeddings[slots[t], token - vocab_size])
+    shrink = reference_lora_a_embedding(ids, a, batch_info, vocab_size, added)
+    offsets = slice_offsets_from_widths([b.shape[1]])
+    return embed_scale * (base + reference_lora_b(shrink, b, batch_info, offsets))

@@ -1,0 +1,209 @@
+"""Random test cases for LoRA ops, shared by every package's tests and benchmarks.
+
+Cases follow the testing rules of the project: mixed ranks (0 and R included),
+slot -1 requests, zero-length requests, several slices of unequal widths, and
+large finite garbage beyond each slot's rank in A and B, so an op that reads
+past a rank gives a visibly wrong answer.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Sequence
+
+import torch
+
+from ..batch_info import BatchInfo, build_batch_info
+from ..layout import slice_offsets_from_widths
+
+__all__ = [
+    "GARBAGE",
+    "TOLERANCES",
+    "assert_close_to_reference",
+    "random_requests",
+    "random_ranks",
+    "fill_linear_garbage",
+    "fill_embedding_garbage",
+    "random_linear_weights",
+    "random_embedding_weights",
+    "make_batch_info",
+    "BatchPair",
+    "random_batch_pair",
+]
+
+GARBAGE = 1.0e3
+"""Value written beyond each slot's rank: large, finite in fp16/bf16."""
+
+TOLERANCES = {
+    torch.float32: (1e-5, 1e-5),
+    torch.float16: (5e-3, 5e-3),
+    torch.bfloat16: (3e-2, 2e-2),
+}
+"""(rtol, atol) against the fp32 reference, per dtype (SPEC §6)."""
+
+
+def assert_close_to_reference(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype | None = None) -> None:
+    """Compare an op's output with fp32 reference math at SPEC §6 tolerances for ``dtype``
+    (``actual``'s by default)."""
+    dtype = dtype or actual.dtype
+    rtol, atol = TOLERANCES[dtype]
+    torch.testing.assert_close(actual.detach().float().cpu(), expected.float().cpu(), rtol=rtol, atol=atol)
+
+
+def random_requests(
+    rng: random.Random, num_tokens: int, num_slots: int, *, max_requests: int | None = None
+) -> tuple[list[int], list[int | None]]:
+    """Split ``num_tokens`` into requests (some of length 0) on random slots (some ``None``/-1)."""
+    max_requests = max_requests or max(1, min(num_tokens, 12))
+    n = rng.randint(1, max_requests)
+    cuts = sorted(rng.randint(0, num_tokens) for _ in range(n - 1))
+    seq_lens = [b - a for a, b in zip([0, *cuts], [*cuts, num_tokens])]
+    slots: list[int | None] = []
+    for _ in seq_lens:
+        roll = rng.random()
+        slots.append(None if roll < 0.1 else -1 if roll < 0.15 else rng.randrange(num_slots))
+    return seq_lens, slots
+
+
+def random_ranks(rng: random.Random, num_slots: int, max_rank: int) -> list[int]:
+    """Mixed ranks: 1, ``max_rank`` and an empty slot (rank 0) whenever there is room."""
+    fixed = [1, max_rank, 0][:num_slots]
+    rest = [rng.randint(0, max_rank) for _ in range(num_slots - len(fixed))]
+    ranks = fixed + rest
+    rng.shuffle(ranks)
+    return ranks
+
+
+def fill_linear_garbage(a: torch.Tensor, b: torch.Tensor, lora_ranks: Sequence[int], num_slices: int,
+                        value: float = GARBAGE) -> None:
+    """Write ``value`` into A rows and B columns beyond each slot's rank (in place)."""
+    R = b.shape[2]
+    for slot, r in enumerate(lora_ranks):
+        for i in range(num_slices):
+            a[slot, i * R + r : (i + 1) * R] = value
+        b[slot, :, r:] = value
+
+
+def fill_embedding_garbage(a: torch.Tensor, b: torch.Tensor, lora_ranks: Sequence[int],
+                           value: float = GARBAGE) -> None:
+    """Embedding layout: garbage in A rows and B columns beyond each slot's rank."""
+    for slot, r in enumerate(lora_ranks):
+        a[slot, r:] = value
+        b[slot, :, r:] = value
+
+
+def random_linear_weights(
+    gen: torch.Generator,
+    *,
+    num_slots: int,
+    max_rank: int,
+    in_features: int,
+    slice_widths: Sequence[int],
+    lora_ranks: Sequence[int],
+    dtype: torch.dtype,
+    device: torch.device | str,
+    garbage: float | None = GARBAGE,
+) -> tuple[torch.Tensor, torch.Tensor, tuple[int, ...]]:
+    """Random ``a (L, c*R, in)``, ``b (L, out, R)`` (unit-scale outputs) and the slice offsets."""
+    offsets = slice_offsets_from_widths(slice_widths)
+    c = len(slice_widths)
+    a = torch.randn(num_slots, c * max_rank, in_features, generator=gen) / in_features**0.5
+    b = torch.randn(num_slots, offsets[-1], max_rank, generator=gen) / max_rank**0.5
+    if garbage is not None:
+        fill_linear_garbage(a, b, lora_ranks, c, garbage)
+    return a.to(device=device, dtype=dtype), b.to(device=device, dtype=dtype), offsets
+
+
+def random_embedding_weights(
+    gen: torch.Generator,
+    *,
+    num_slots: int,
+    max_rank: int,
+    vocab_total: int,
+    embedding_dim: int,
+    lora_ranks: Sequence[int],
+    dtype: torch.dtype,
+    device: torch.device | str,
+    garbage: float | None = GARBAGE,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random embedding ``a (L, R, V_total)`` and ``b (L, D, R)``."""
+    a = torch.randn(num_slots, max_rank, vocab_total, generator=gen)
+    b = torch.randn(num_slots, embedding_dim, max_rank, generator=gen) / max_rank**0.5
+    if garbage is not None:
+        fill_embedding_garbage(a, b, lora_ranks, garbage)
+    return a.to(device=device, dtype=dtype), b.to(device=device, dtype=dtype)
+
+
+def make_batch_info(
+    seq_lens: Sequence[int],
+    slot_ids: Sequence[int | None],
+    lora_ranks: Sequence[int],
+    *,
+    device: torch.device | str,
+    use_graph: bool = False,
+    scalings: Sequence[float] | None = None,
+) -> BatchInfo:
+    """A batch info with distinct per-slot scalings (``0.5 + 0.25 * slot`` by default);
+    in graph mode its capacity is exactly ``sum(seq_lens)``."""
+    scalings = list(scalings) if scalings is not None else [0.5 + 0.25 * s for s in range(len(lora_ranks))]
+    total = sum(seq_lens)
+    return build_batch_info(
+        seq_lens, slot_ids, lora_ranks, scalings, device=device, use_graph=use_graph,
+        max_tokens=total if use_graph else None,
+    )
+
+
+class BatchPair:
+    """Two batches of the same token count on the same adapters: A (captured) and B (replayed).
+
+    :meth:`run` gives ``fn(batch_info, *inputs)`` batch A, then switches to batch B
+    the way the device requires (a graph-mode batch info refilled in place on
+    graph devices, a fresh eager one elsewhere) and runs again, through
+    ``TestDevice.run_two_batches``. :meth:`reference_infos` are eager CPU batch
+    infos of A and B for the reference math.
+    """
+
+    def __init__(
+        self,
+        lora_ranks: Sequence[int],
+        batch_a: tuple[Sequence[int], Sequence[int | None]],
+        batch_b: tuple[Sequence[int], Sequence[int | None]],
+        scalings: Sequence[float] | None = None,
+    ) -> None:
+        if sum(batch_a[0]) != sum(batch_b[0]):
+            raise ValueError(f"batches must have the same token count, got {sum(batch_a[0])} and {sum(batch_b[0])}")
+        self.lora_ranks = list(lora_ranks)
+        self.scalings = list(scalings) if scalings is not None else [0.5 + 0.25 * s for s in range(len(lora_ranks))]
+        self.batch_a, self.batch_b = batch_a, batch_b
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.batch_a[0])
+
+    def build(self, batch: tuple[Sequence[int], Sequence[int | None]], device: torch.device | str,
+              use_graph: bool = False) -> BatchInfo:
+        return make_batch_info(*batch, self.lora_ranks, device=device, use_graph=use_graph, scalings=self.scalings)
+
+    def reference_infos(self) -> tuple[BatchInfo, BatchInfo]:
+        return self.build(self.batch_a, "cpu"), self.build(self.batch_b, "cpu")
+
+    def run(self, device, fn, *inputs):
+        """``(out_a, out_b)`` of ``fn(batch_info, *inputs)`` on ``device`` (a ``TestDevice``)."""
+        holder = {"info": self.build(self.batch_a, device.torch_device, use_graph=device.is_graph)}
+
+        def refill() -> None:
+            if device.is_graph:
+                holder["info"].refill(*self.batch_b)
+            else:
+                holder["info"] = self.build(self.batch_b, device.torch_device)
+
+        return device.run_two_batches(lambda *xs: fn(holder["info"], *xs), inputs, refill)
+
+
+def random_batch_pair(rng: random.Random, num_tokens: int, lora_ranks: Sequence[int]) -> BatchPair:
+    """Two different random request mixes over ``num_tokens`` tokens."""
+    a = random_requests(rng, num_tokens, len(lora_ranks))
+    b = random_requests(rng, num_tokens, len(lora_ranks))
+    while b == a and num_tokens > 1:
+        b = random_requests(rng, num_tokens, len(lora_ranks))
+    return BatchPair(lora_ranks, a, b)

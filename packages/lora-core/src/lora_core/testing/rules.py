@@ -1,0 +1,182 @@
+"""What breaks under graph capture: host reads, device syncs, data-dependent shapes.
+
+Two interception layers see different things (SPEC §5):
+
+* the torch-function layer sees Tensor methods that never reach the dispatcher
+  (``tolist``, ``numpy``, ``cpu``, ``__bool__`` ...);
+* the dispatch layer sees aten ops after decomposition (``_local_scalar_dense``,
+  ``nonzero``, boolean-mask ``index``, ``repeat_interleave`` without ``output_size``).
+
+:class:`HostAccessMonitor` installs both and calls back with a :class:`Violation`;
+the graph simulator and the launch counter share it.
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = ["Violation", "HostAccessMonitor", "function_rule", "dispatch_rule"]
+
+# Tensor methods that read tensor data on the host, bypassing the dispatcher.
+_HOST_READ_METHODS = {
+    "tolist": "host read: Tensor.tolist() copies device data to Python",
+    "numpy": "host read: Tensor.numpy() copies device data to the host",
+    "__array__": "host read: numpy conversion copies device data to the host",
+    "cpu": "host read: Tensor.cpu() copies device data to the host",
+    "item": "host read: Tensor.item() syncs and bakes a Python scalar",
+    "__bool__": "host read: bool(tensor) syncs and branches on device data",
+    "__int__": "host read: int(tensor) syncs and bakes a Python int",
+    "__float__": "host read: float(tensor) syncs and bakes a Python float",
+    "__index__": "host read: using a tensor as a Python index syncs and bakes it",
+    "__complex__": "host read: complex(tensor) syncs and bakes a Python scalar",
+    "__repr__": "host read: repr(tensor) reads device data",
+    "__str__": "host read: str(tensor) reads device data",
+    "__format__": "host read: formatting a tensor reads device data",
+}
+
+_SYNC_OPS = {
+    "_local_scalar_dense": "host read: aten._local_scalar_dense (item/bool/int on a tensor) syncs the device",
+    "nonzero": "data-dependent shape: aten.nonzero syncs and sizes its output from device data",
+    "masked_select": "data-dependent shape: aten.masked_select sizes its output from device data",
+    "equal": "host read: aten.equal returns a Python bool from device data",
+    "allclose": "host read: aten.allclose returns a Python bool from device data",
+    "bincount": "data-dependent shape: aten.bincount sizes its output from device data",
+    "lift_fresh": "host data: a tensor built from Python data during capture is baked into the graph",
+    "lift_fresh_copy": "host data: a tensor built from Python data during capture is baked into the graph",
+}
+
+
+@dataclass(frozen=True)
+class Violation:
+    """One capture-unsafe operation: the ``rule`` it broke, the ``op``, and ``where`` (file:line)."""
+
+    rule: str
+    op: str
+    where: str
+
+    def __str__(self) -> str:
+        return f"{self.rule} [{self.op}] at {self.where}"
+
+
+def _has_bool_index(indices: Any) -> bool:
+    return any(
+        isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in (indices or ())
+    )
+
+
+def function_rule(func: Callable, args: tuple, kwargs: dict) -> str | None:
+    """The rule a torch-function-level call breaks, or ``None``."""
+    name = getattr(func, "__name__", "")
+    if name in _HOST_READ_METHODS and args and isinstance(args[0], torch.Tensor):
+        return _HOST_READ_METHODS[name]
+    if name == "to" and args and isinstance(args[0], torch.Tensor):
+        target = kwargs.get("device", args[1] if len(args) > 1 else None)
+        if isinstance(target, (str, torch.device)) and torch.device(target).type == "cpu":
+            return "host read: Tensor.to('cpu') copies device data to the host"
+    return None
+
+
+def dispatch_rule(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> str | None:
+    """The rule an aten-level op breaks, or ``None``."""
+    packet = func.overloadpacket.__name__
+    if func.namespace not in ("aten", "prims"):
+        return (
+            f"opaque custom op: {func.namespace}::{packet} hides its host logic from the simulator; "
+            "test it on real graph hardware or express it in aten ops"
+        )
+    if packet in _SYNC_OPS:
+        return _SYNC_OPS[packet]
+    if packet.startswith("unique") or packet in ("_unique", "_unique2"):
+        return f"data-dependent shape: aten.{packet} sizes its output from device data"
+    if packet in ("index", "_unsafe_index") and _has_bool_index(args[1] if len(args) > 1 else None):
+        return "data-dependent shape: boolean-mask indexing sizes its output from device data"
+    if packet in ("index_put", "index_put_", "_index_put_impl_") and _has_bool_index(
+        args[1] if len(args) > 1 else None
+    ):
+        return "data-dependent shape: boolean-mask assignment syncs on the mask"
+    if packet == "repeat_interleave" and func._overloadname in ("Tensor", "self_Tensor"):
+        if kwargs.get("output_size") is None:
+            return "data-dependent shape: repeat_interleave with tensor repeats needs output_size"
+    return None
+
+
+_THIS_DIR = os.path.dirname(os.path.abspath(__file__))
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
+
+
+def _where() -> str:
+    """file:line of the innermost frame outside torch and this testing package."""
+    for frame in reversed(traceback.extract_stack()):
+        path = os.path.abspath(frame.filename)
+        if not path.startswith((_THIS_DIR, _TORCH_DIR)) and "contextlib" not in path:
+            return f"{frame.filename}:{frame.lineno} in {frame.name}"
+    return "<unknown>"
+
+
+class _FunctionLayer(TorchFunctionMode):
+    def __init__(self, monitor: HostAccessMonitor) -> None:
+        super().__init__()
+        self.monitor = monitor
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        rule = function_rule(func, args, kwargs)
+        if rule is None:
+            return func(*args, **kwargs)
+        self.monitor._report(Violation(rule, f"Tensor.{getattr(func, '__name__', func)}", _where()))
+        self.monitor._nested_host_read += 1
+        try:
+            return func(*args, **kwargs)
+        finally:
+            self.monitor._nested_host_read -= 1
+
+
+class _DispatchLayer(TorchDispatchMode):
+    def __init__(self, monitor: HostAccessMonitor) -> None:
+        super().__init__()
+        self.monitor = monitor
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        rule = dispatch_rule(func, args, kwargs)
+        if rule is not None and not self.monitor._nested_host_read:
+            self.monitor._report(Violation(rule, str(func), _where()))
+        out = func(*args, **kwargs)
+        self.monitor.on_op(func, args, kwargs, out)
+        return out
+
+
+class HostAccessMonitor:
+    """Context manager that reports every capture-unsafe call to ``on_violation``
+    and every dispatched aten op to ``on_op``. Subclass or pass callbacks."""
+
+    def __init__(
+        self,
+        on_violation: Callable[[Violation], None],
+        on_op: Callable[[torch._ops.OpOverload, tuple, dict, Any], None] | None = None,
+    ) -> None:
+        self._on_violation = on_violation
+        self.on_op = on_op or (lambda func, args, kwargs, out: None)
+        self._nested_host_read = 0
+        self._modes: list = []
+
+    def _report(self, violation: Violation) -> None:
+        self._on_violation(violation)
+
+    def __enter__(self) -> HostAccessMonitor:
+        self._modes = [_FunctionLayer(self), _DispatchLayer(self)]
+        for mode in self._modes:
+            mode.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for mode in reversed(self._modes):
+            mode.__exit__(*exc)
+        self._modes = []

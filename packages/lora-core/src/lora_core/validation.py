@@ -1,0 +1,217 @@
+"""Boundary checks for LoRA op inputs, shared by every backend.
+
+All checks read metadata only (shapes, dtypes, devices, host-side batch data):
+none of them synchronises the device, so backends run them on every call.
+The one exception is the opt-in strict token-id mode (:func:`strict_token_ids`),
+which inspects id values and therefore reads them back; it is skipped while a
+graph is being captured.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Iterator, Sequence
+
+import torch
+
+from .batch_info import BatchInfo
+from .graphs import is_capturing
+
+__all__ = [
+    "check_lora_a_inputs",
+    "check_lora_b_inputs",
+    "check_embedding_inputs",
+    "check_num_tokens",
+    "normalize_slice_offsets",
+    "check_token_ids",
+    "strict_token_ids",
+    "strict_token_ids_enabled",
+]
+
+_strict_ids = os.environ.get("LORA_STRICT_TOKEN_IDS", "0") not in ("", "0", "false", "False")
+
+
+def strict_token_ids_enabled() -> bool:
+    return _strict_ids
+
+
+@contextlib.contextmanager
+def strict_token_ids(enabled: bool = True) -> Iterator[None]:
+    """Within the block, out-of-vocabulary ids raise ``ValueError`` instead of getting
+    a zero delta (also enabled process-wide by ``LORA_STRICT_TOKEN_IDS=1``)."""
+    global _strict_ids
+    previous, _strict_ids = _strict_ids, enabled
+    try:
+        yield
+    finally:
+        _strict_ids = previous
+
+
+def check_token_ids(ids: torch.Tensor, num_valid: int, *, max_report: int = 8) -> None:
+    """Strict mode only: raise naming the first positions whose id is outside ``[0, num_valid)``."""
+    if not _strict_ids or is_capturing():
+        return
+    bad = ((ids < 0) | (ids >= num_valid)).nonzero().flatten()[:max_report].tolist()
+    if bad:
+        shown = ", ".join(f"ids[{p}] = {int(ids[p])}" for p in bad)
+        raise ValueError(f"token ids outside the vocabulary [0, {num_valid}): {shown}")
+
+
+def _describe(t: torch.Tensor) -> str:
+    return f"{tuple(t.shape)} {t.dtype} on {t.device}"
+
+
+def _check_tensor(name: str, t: object, dim: int) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != dim:
+        raise ValueError(f"{name} must be {dim}-D, got {_describe(t)}")
+    return t
+
+
+def _check_same(name: str, t: torch.Tensor, ref_name: str, ref: torch.Tensor) -> None:
+    if t.device != ref.device:
+        raise ValueError(f"{name} is on {t.device} but {ref_name} is on {ref.device}")
+    if t.dtype != ref.dtype:
+        raise ValueError(f"{name} has dtype {t.dtype} but {ref_name} has {ref.dtype}")
+
+
+def check_num_tokens(batch_info: BatchInfo, num_rows: int, name: str = "x") -> None:
+    """Rows given to an op must match the batch (or fit the graph-mode capacity)."""
+    if batch_info.use_graph:
+        if not batch_info.num_real_tokens <= num_rows <= batch_info.capacity:
+            raise ValueError(
+                f"{name} has {num_rows} rows; the graph batch info holds {batch_info.num_real_tokens} "
+                f"tokens and {batch_info.capacity} rows of capacity"
+            )
+    elif num_rows != batch_info.num_tokens:
+        raise ValueError(
+            f"{name} has {num_rows} rows but the batch info was built for {batch_info.num_tokens} tokens "
+            f"(seq_lens = {list(batch_info.seq_lens)})"
+        )
+
+
+def _check_batch_device(batch_info: BatchInfo, t: torch.Tensor, name: str) -> None:
+    if batch_info.device != t.device:
+        raise ValueError(f"the batch info lives on {batch_info.device} but {name} is on {t.device}")
+
+
+def _check_slots(batch_info: BatchInfo, weights: torch.Tensor, name: str) -> None:
+    if weights.shape[0] != batch_info.num_slots:
+        raise ValueError(
+            f"{name} has {weights.shape[0]} slots (dim 0) but the batch info has {batch_info.num_slots}"
+        )
+
+
+def check_lora_a_inputs(x: torch.Tensor, weights: torch.Tensor, batch_info: BatchInfo, num_slices: int) -> int:
+    """``x (T, in)``, ``weights (L, c*R, in)``; returns ``R``."""
+    _check_tensor("x", x, 2)
+    _check_tensor("weights", weights, 3)
+    if not x.is_floating_point():
+        raise ValueError(f"x must be floating point, got {x.dtype}")
+    _check_same("weights", weights, "x", x)
+    _check_batch_device(batch_info, x, "x")
+    _check_slots(batch_info, weights, "weights")
+    if isinstance(num_slices, bool) or not isinstance(num_slices, int) or num_slices < 1:
+        raise ValueError(f"num_slices must be a positive int, got {num_slices!r}")
+    if weights.shape[1] % num_slices:
+        raise ValueError(f"weights dim 1 ({weights.shape[1]}) is not num_slices ({num_slices}) times a rank")
+    if weights.shape[2] != x.shape[1]:
+        raise ValueError(f"weights must have shape (L, c*R, {x.shape[1]}) for x {_describe(x)}, got {_describe(weights)}")
+    R = weights.shape[1] // num_slices
+    _check_ranks(batch_info, R)
+    check_num_tokens(batch_info, x.shape[0])
+    return R
+
+
+def _check_ranks(batch_info: BatchInfo, max_rank: int) -> None:
+    for slot, r in enumerate(batch_info.lora_ranks_host):
+        if r > max_rank:
+            raise ValueError(f"slot {slot} has rank {r} but the weights hold at most R = {max_rank}")
+
+
+def normalize_slice_offsets(slice_offsets: Sequence[int] | torch.Tensor) -> tuple[int, ...]:
+    """Slice offsets as a tuple of Python ints ``(0, o1, ..., out_total)``, validated."""
+    if isinstance(slice_offsets, torch.Tensor):
+        if slice_offsets.device.type != "cpu" or slice_offsets.dtype.is_floating_point:
+            raise ValueError(
+                f"slice_offsets must be Python ints or a CPU integer tensor, got {_describe(slice_offsets)}"
+            )
+        values = slice_offsets.tolist()
+    else:
+        values = list(slice_offsets)
+    if len(values) < 2 or values[0] != 0 or any(
+        isinstance(v, bool) or not isinstance(v, int) for v in values
+    ) or any(values[i] >= values[i + 1] for i in range(len(values) - 1)):
+        raise ValueError(f"slice_offsets must be increasing ints starting at 0, like [0, o1, ..., out], got {values}")
+    return tuple(values)
+
+
+def check_lora_b_inputs(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    batch_info: BatchInfo,
+    slice_offsets: Sequence[int] | torch.Tensor,
+    base_output: torch.Tensor | None,
+) -> tuple[int, ...]:
+    """``x (T, c*R)``, ``weights (L, out_total, R)``, ``base_output (T, out_total)``;
+    returns the slice offsets as ints."""
+    offsets = normalize_slice_offsets(slice_offsets)
+    _check_tensor("x", x, 2)
+    _check_tensor("weights", weights, 3)
+    _check_same("weights", weights, "x", x)
+    _check_batch_device(batch_info, x, "x")
+    _check_slots(batch_info, weights, "weights")
+    num_slices = len(offsets) - 1
+    if offsets[-1] != weights.shape[1]:
+        raise ValueError(
+            f"slice_offsets end at {offsets[-1]} but weights have {weights.shape[1]} output rows: {_describe(weights)}"
+        )
+    if x.shape[1] != num_slices * weights.shape[2]:
+        raise ValueError(
+            f"x must have {num_slices} x R = {num_slices * weights.shape[2]} columns for {num_slices} slice(s), "
+            f"got {_describe(x)}"
+        )
+    _check_ranks(batch_info, weights.shape[2])
+    check_num_tokens(batch_info, x.shape[0])
+    if base_output is not None:
+        _check_tensor("base_output", base_output, 2)
+        _check_same("base_output", base_output, "x", x)
+        if tuple(base_output.shape) != (x.shape[0], offsets[-1]):
+            raise ValueError(f"base_output must have shape {(x.shape[0], offsets[-1])}, got {_describe(base_output)}")
+    return offsets
+
+
+def check_embedding_inputs(
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    batch_info: BatchInfo,
+    vocab_size: int,
+    extra_embeddings: torch.Tensor | None,
+) -> int:
+    """``ids (T,)`` integer, ``weights (L, R, V_total)``, ``extra_embeddings (L, added, D)``;
+    returns the number of valid ids ``vocab_size + added``."""
+    _check_tensor("ids", ids, 1)
+    _check_tensor("weights", weights, 3)
+    if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+        raise ValueError(f"ids must be an integer tensor, got {ids.dtype}")
+    if ids.device != weights.device:
+        raise ValueError(f"ids is on {ids.device} but weights is on {weights.device}")
+    _check_batch_device(batch_info, ids, "ids")
+    _check_slots(batch_info, weights, "weights")
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size <= 0:
+        raise ValueError(f"vocab_size must be a positive int, got {vocab_size!r}")
+    added = 0
+    if extra_embeddings is not None:
+        _check_tensor("extra_embeddings", extra_embeddings, 3)
+        _check_slots(batch_info, extra_embeddings, "extra_embeddings")
+        added = extra_embeddings.shape[1]
+    if weights.shape[2] < vocab_size + added:
+        raise ValueError(
+            f"weights have {weights.shape[2]} vocabulary columns, fewer than vocab_size + added tokens "
+            f"= {vocab_size + added}: {_describe(weights)}"
+        )
+    _check_ranks(batch_info, weights.shape[1])
+    check_num_tokens(batch_info, ids.shape[0], "ids")
+    return vocab_size + added

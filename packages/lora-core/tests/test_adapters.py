@@ -1,0 +1,101 @@
+"""PEFT adapter loading from files built on the fly."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from lora_core import AdapterFormatError, load_peft_adapter, save_peft_adapter
+
+
+def _modules():
+    g = torch.Generator().manual_seed(0)
+    return {
+        "model.layers.0.self_attn.q_proj": (torch.randn(4, 8, generator=g), torch.randn(8, 4, generator=g)),
+        "model.layers.0.mlp.down_proj": (torch.randn(2, 16, generator=g), torch.randn(8, 2, generator=g)),
+        "model.embed_tokens": (torch.randn(4, 32, generator=g), torch.randn(8, 4, generator=g)),
+    }
+
+
+def test_round_trip_with_rank_and_alpha_patterns(tmp_path):
+    modules = _modules()
+    save_peft_adapter(tmp_path, modules, r=4, lora_alpha=16, embedding_modules=("model.embed_tokens",),
+                      rank_pattern={"down_proj": 2}, alpha_pattern={"down_proj": 8})
+    adapter = load_peft_adapter(tmp_path)
+    assert set(adapter.modules) == set(modules) and adapter.rank == 4
+    q = adapter.modules["model.layers.0.self_attn.q_proj"]
+    assert q.kind == "linear" and q.scaling == 16 / 4 and torch.equal(q.lora_a, modules[q.name][0])
+    down = adapter.modules["model.layers.0.mlp.down_proj"]
+    assert down.rank == 2 and down.scaling == 8 / 2
+    emb = adapter.modules["model.embed_tokens"]
+    assert emb.kind == "embedding" and torch.equal(emb.lora_b, modules[emb.name][1])
+
+
+def test_rslora_scaling(tmp_path):
+    save_peft_adapter(tmp_path, _modules(), r=4, lora_alpha=16, use_rslora=True,
+                      embedding_modules=("model.embed_tokens",), rank_pattern={"down_proj": 2})
+    adapter = load_peft_adapter(tmp_path)
+    assert adapter.modules["model.layers.0.self_attn.q_proj"].scaling == 16 / 2.0
+    assert adapter.modules["model.layers.0.mlp.down_proj"].scaling == pytest.approx(16 / 2**0.5)
+
+
+def test_bin_weights_load_with_weights_only(tmp_path):
+    save_peft_adapter(tmp_path, _modules(), r=4, lora_alpha=4, embedding_modules=("model.embed_tokens",),
+                      rank_pattern={"down_proj": 2})
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(tmp_path / "adapter_model.safetensors"))
+    (tmp_path / "adapter_model.safetensors").unlink()
+    torch.save(tensors, tmp_path / "adapter_model.bin")
+    assert len(load_peft_adapter(tmp_path).modules) == 3
+
+
+def _write(tmp_path, config=None, tensors=None):
+    base = {"peft_type": "LORA", "r": 2, "lora_alpha": 4}
+    (tmp_path / "adapter_config.json").write_text(json.dumps({**base, **(config or {})}))
+    if tensors is None:
+        tensors = {"base_model.model.fc.lora_A.weight": torch.ones(2, 3),
+                   "base_model.model.fc.lora_B.weight": torch.ones(4, 2)}
+    save_file(tensors, str(tmp_path / "adapter_model.safetensors"))
+    return tmp_path
+
+
+@pytest.mark.parametrize(
+    ("config", "tensors", "error", "match"),
+    [
+        ({"use_dora": True}, None, AdapterFormatError, r"DoRA \(use_dora\) is not supported"),
+        ({"lora_bias": True}, None, AdapterFormatError, "LoRA bias"),
+        ({"peft_type": "IA3"}, None, AdapterFormatError, "peft_type 'IA3' is not supported"),
+        ({"modules_to_save": ["lm_head"]}, None, AdapterFormatError, "modules_to_save"),
+        ({"r": 0}, None, AdapterFormatError, "r must be a positive number"),
+        ({"r": 3}, None, AdapterFormatError, "module 'fc' has rank 2 but adapter_config.json declares r = 3"),
+        ({}, {"base_model.model.fc.lora_A.weight": torch.ones(2, 3)}, AdapterFormatError, "has no LoRA B weight"),
+        ({}, {"base_model.model.fc.lora_A.weight": torch.ones(2, 3),
+              "base_model.model.fc.lora_B.weight": torch.ones(4, 3)}, AdapterFormatError, "expected A"),
+        ({}, {"base_model.model.fc.lora_magnitude_vector": torch.ones(4)}, AdapterFormatError, "unsupported tensor"),
+    ],
+)
+def test_malformed_or_unsupported_adapters_are_rejected(tmp_path, config, tensors, error, match):
+    with pytest.raises(error, match=match):
+        load_peft_adapter(_write(tmp_path, config, tensors))
+
+
+def test_missing_files_name_the_path(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_peft_adapter(tmp_path / "nope")
+    with pytest.raises(FileNotFoundError, match="no adapter_config.json"):
+        load_peft_adapter(tmp_path)
+    (tmp_path / "adapter_config.json").write_text('{"r": 2, "lora_alpha": 4}')
+    with pytest.raises(FileNotFoundError, match="no adapter_model.safetensors or adapter_model.bin"):
+        load_peft_adapter(tmp_path)
+    (tmp_path / "adapter_config.json").write_text("{not json")
+    with pytest.raises(AdapterFormatError, match="is not valid JSON"):
+        load_peft_adapter(tmp_path)
+
+
+def test_corrupt_weights_are_a_format_error(tmp_path):
+    _write(tmp_path)
+    (tmp_path / "adapter_model.safetensors").write_bytes(b"garbage")
+    with pytest.raises(AdapterFormatError, match="cannot read"):
+        load_peft_adapter(tmp_path)

@@ -1,0 +1,95 @@
+"""build_batch_info: segments, host plans, graph-mode refill, lm_head view, bad input."""
+
+import pytest
+import torch
+
+from lora_core import build_batch_info
+
+
+def test_adjacent_requests_on_one_slot_merge_and_empty_requests_vanish(device):
+    info = build_batch_info([2, 0, 3, 1, 1], [0, None, 0, 1, -1], [2, 3], [1.0, 2.0],
+                            device=device.torch_device)
+    assert info.seg_lens.tolist() == [5, 1, 1]
+    assert info.seg_indptr.tolist() == [0, 5, 6, 7]
+    assert info.weight_indices.tolist() == [0, 1, -1]
+    assert info.token_slots.tolist() == [0, 0, 0, 0, 0, 1, -1]
+    assert info.num_tokens == 7 and info.max_len == 5 and info.num_segments == 3
+    assert [(g.slot, g.start, g.end, g.rank, g.scaling) for g in info.segments] == [(0, 0, 5, 2, 1.0), (1, 5, 6, 3, 2.0)]
+    assert info.seg_lens.device.type == device.torch_device.type
+    # host mirrors are CPU tensors distinct from the device tensors
+    assert info.seg_lens_cpu.device.type == "cpu" and info.seg_lens_cpu is not info.seg_lens
+    assert info.scalings.dtype == torch.float32 and info.lora_ranks.dtype == torch.int32
+
+
+def test_slot_groups_gather_each_active_slot_once():
+    info = build_batch_info([1, 1, 1, 1, 1], [1, 0, 1, None, 2], [4, 4, 0], [1.0, 1.0, 1.0], device="cpu")
+    # slot 2 has rank 0: no group; slot -1: no group
+    assert [(g.slot, g.start, g.end) for g in info.slot_groups] == [(0, 0, 1), (1, 1, 3)]
+    assert info.token_perm.tolist() == [1, 0, 2]
+    assert info.prefers_slot_groups  # 3 single-token segments, 2 slots
+
+
+def test_long_segments_prefer_the_segment_loop():
+    info = build_batch_info([100, 100, 100], [0, 1, 0], [4, 4], [1.0, 1.0], device="cpu")
+    assert not info.prefers_slot_groups
+
+
+def test_graph_refill_keeps_tensor_identity_and_pads_with_slot_minus_one(device):
+    info = build_batch_info([2, 3], [0, 1], [2, 2], [1.0, 2.0], device=device.torch_device,
+                            use_graph=True, max_tokens=8)
+    tensors = {n: getattr(info, n) for n in ("seg_lens", "seg_indptr", "weight_indices", "token_slots",
+                                             "lora_ranks", "scalings")}
+    ptrs = {n: t.data_ptr() for n, t in tensors.items()}
+    assert info.num_tokens == 8 and info.token_slots.tolist() == [0, 0, 1, 1, 1, -1, -1, -1]
+    info.refill([1, 1, 1], [1, None, 0])
+    for n, t in tensors.items():
+        assert getattr(info, n) is t and t.data_ptr() == ptrs[n]
+    assert info.token_slots.tolist() == [1, -1, 0, -1, -1, -1, -1, -1]
+    assert info.seg_lens.tolist() == [1, 1, 1, 0, 0, 0, 0, 0]
+    assert info.weight_indices.tolist() == [1, -1, 0, -1, -1, -1, -1, -1]
+    info.set_adapters([4, 0], [0.5, 0.25])
+    assert info.lora_ranks is tensors["lora_ranks"] and info.lora_ranks.tolist() == [4, 0]
+    assert info.scalings.tolist() == [0.5, 0.25]
+
+
+def test_lm_head_view_keeps_last_token_of_each_request_and_refills_with_the_batch():
+    info = build_batch_info([3, 0, 2, 1], [1, 0, None, 1], [2, 2], [1.0, 1.0], device="cpu",
+                            use_graph=True, max_tokens=8)
+    assert info.lm_head_view(pruned=False) is info
+    view = info.lm_head_view(pruned=True)
+    assert view.seq_lens == (1, 1, 1) and view.token_slots.tolist()[:3] == [1, -1, 1]
+    slots = view.token_slots
+    info.refill([2, 2], [0, None])
+    assert info.lm_head_view(pruned=True) is view and view.token_slots is slots
+    assert view.token_slots.tolist()[:3] == [0, -1, -1]
+
+
+def test_refill_is_for_graph_mode_only():
+    info = build_batch_info([1], [0], [1], [1.0], device="cpu")
+    with pytest.raises(RuntimeError, match="graph-mode"):
+        info.refill([1], [0])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (dict(seq_lens=[2, -1]), r"seq_lens\[1\] must be an int >= 0, got -1"),
+        (dict(seq_lens=[2, 1.5]), r"seq_lens\[1\] must be an int >= 0"),
+        (dict(slot_ids=[0, 2]), r"slot_ids\[1\] must be None, -1 or a slot in \[0, 2\), got 2"),
+        (dict(slot_ids=[0, -2]), r"slot_ids\[1\]"),
+        (dict(slot_ids=[0]), "one entry per request; got 2 and 1"),
+        (dict(lora_ranks=[2, 9], max_rank=8), r"lora_ranks\[1\] = 9 exceeds max_rank = 8"),
+        (dict(lora_ranks=[2, -1]), r"lora_ranks\[1\] must be an int >= 0"),
+        (dict(scalings=[1.0]), "one entry per slot; got 2 and 1"),
+        (dict(scalings=[1.0, float("nan")]), r"scalings\[1\] must be a finite float"),
+        (dict(use_graph=True), "max_tokens must be a positive int"),
+        (dict(use_graph=True, max_tokens=2), "sum to 3 tokens, more than max_tokens = 2"),
+        (dict(max_tokens=8), "only meaningful with use_graph=True"),
+        (dict(lora_ranks=torch.tensor([1, 1], device="meta")), "must be host data"),
+    ],
+)
+def test_bad_batch_descriptions_name_the_argument(kwargs, match):
+    args = dict(seq_lens=[2, 1], slot_ids=[0, None], lora_ranks=[2, 2], scalings=[1.0, 1.0], device="cpu")
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        build_batch_info(**args)

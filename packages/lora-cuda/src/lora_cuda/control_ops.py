@@ -1,0 +1,109 @@
+"""Control-flow (eager) LoRA ops: a host loop over the batch's token groups.
+
+Groups come from the batch info's host plan, so the loop reads Python ints only
+and never synchronises the device. Two plans (chosen once per batch by
+``BatchInfo.prefers_slot_groups``):
+
+* segments: contiguous row ranges, one fused ``addmm`` per segment and slice;
+* slot groups: the tokens of each slot gathered once (``token_perm``), one
+  ``addmm`` per slot and slice, scattered back once. Decode batches of many
+  single-token requests use this: the GEMM count is the number of slots.
+
+Rank truncation: only rows/columns ``[0, r)`` of each slot are read, so
+whatever lies beyond a rank never reaches the result. Inputs are validated by
+the dispatcher in :mod:`lora_cuda.ops`; these functions trust them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lora_core import BatchInfo
+
+__all__ = [
+    "sgemm_lora_a_control_fwd",
+    "sgemm_lora_b_control_fwd",
+    "sgemm_lora_a_embedding_control_fwd",
+]
+
+
+def sgemm_lora_a_control_fwd(
+    x: torch.Tensor, weights: torch.Tensor, batch_info: BatchInfo, num_slices: int = 1
+) -> torch.Tensor:
+    """Scaled shrink. ``x: (T, in)``, ``weights: (L, c*R, in)`` -> ``(T, c*R)`` in ``x.dtype``."""
+    T, cR = x.shape[0], weights.shape[1]
+    R = cR // num_slices
+    out = x.new_zeros(T, cR)
+    if batch_info.prefers_slot_groups:
+        perm = batch_info.token_perm
+        xp = x.index_select(0, perm)
+        yp = x.new_zeros(perm.shape[0], cR)
+        groups, src, dst = batch_info.slot_groups, xp, yp
+    else:
+        groups, src, dst = batch_info.segments, x, out
+    for g in groups:
+        rows = slice(g.start, g.end)
+        for i in range(num_slices):
+            cols = slice(i * R, i * R + g.rank)
+            o = dst[rows, cols]
+            torch.addmm(o, src[rows], weights[g.slot, cols].T, beta=0, alpha=g.scaling, out=o)
+    if batch_info.prefers_slot_groups:
+        out.index_copy_(0, batch_info.token_perm, yp)
+    return out
+
+
+def sgemm_lora_b_control_fwd(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    batch_info: BatchInfo,
+    slice_offsets: tuple[int, ...],
+    base_output: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Expand. ``x: (T, c*R)``, ``weights: (L, out_total, R)``, ``slice_offsets: (0, ..., out_total)``
+    -> ``(T, out_total)``, accumulated into ``base_output`` in place when given."""
+    T, R = x.shape[0], weights.shape[2]
+    out = base_output if base_output is not None else x.new_zeros(T, slice_offsets[-1])
+    num_slices = len(slice_offsets) - 1
+    if batch_info.prefers_slot_groups:
+        perm = batch_info.token_perm
+        yp = x.index_select(0, perm)
+        delta = x.new_empty(perm.shape[0], slice_offsets[-1])  # every row and column is written below
+        for g in batch_info.slot_groups:
+            rows = slice(g.start, g.end)
+            for i in range(num_slices):
+                cols = slice(slice_offsets[i], slice_offsets[i + 1])
+                torch.mm(yp[rows, i * R : i * R + g.rank], weights[g.slot, cols, : g.rank].T, out=delta[rows, cols])
+        out.index_add_(0, perm, delta)
+        return out
+    for g in batch_info.segments:
+        rows = slice(g.start, g.end)
+        for i in range(num_slices):
+            cols = slice(slice_offsets[i], slice_offsets[i + 1])
+            out[rows, cols].addmm_(x[rows, i * R : i * R + g.rank], weights[g.slot, cols, : g.rank].T)
+    return out
+
+
+def sgemm_lora_a_embedding_control_fwd(
+    ids: torch.Tensor, weights: torch.Tensor, batch_info: BatchInfo, num_valid_ids: int
+) -> torch.Tensor:
+    """Scaled embedding shrink. ``ids: (T,)`` integer, ``weights: (L, R, V_total)`` -> ``(T, R)``.
+
+    Ids outside ``[0, num_valid_ids)`` get zeros (looked up as id 0, then masked).
+    """
+    T, R = ids.shape[0], weights.shape[1]
+    out = weights.new_zeros(T, R)
+    valid = (ids >= 0) & (ids < num_valid_ids)
+    safe_ids = torch.where(valid, ids, 0)
+    grouped = batch_info.prefers_slot_groups
+    if grouped:
+        perm = batch_info.token_perm
+        groups, src, dst = batch_info.slot_groups, safe_ids.index_select(0, perm), weights.new_zeros(perm.shape[0], R)
+    else:
+        groups, src, dst = batch_info.segments, safe_ids, out
+    for g in groups:
+        rows = slice(g.start, g.end)
+        picked = weights[g.slot, : g.rank].index_select(1, src[rows])  # (r, n)
+        torch.mul(picked.T, g.scaling, out=dst[rows, : g.rank])
+    if grouped:
+        out.index_copy_(0, batch_info.token_perm, dst)
+    return out.masked_fill_(~valid[:, None], 0)
