@@ -19,6 +19,7 @@ their identity and addresses, so a captured graph replays on the new batch.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Sequence
@@ -81,6 +82,13 @@ class _HostBatch:
     @property
     def num_real_tokens(self) -> int:
         return len(self.token_slots)
+
+    @functools.cached_property
+    def prefers_slot_groups(self) -> bool:
+        if len(self.slot_groups) >= len(self.segments):
+            return False
+        active = sum(g.num_tokens for g in self.segments)
+        return active / len(self.segments) < SLOT_GROUPING_MAX_MEAN_SEGMENT_LEN
 
 
 class BatchInfo:
@@ -177,12 +185,9 @@ class BatchInfo:
 
     @property
     def prefers_slot_groups(self) -> bool:
-        """Whether control ops should gather by slot rather than loop over segments."""
-        segments = self._host.segments
-        if len(self._host.slot_groups) >= len(segments):
-            return False
-        active = sum(g.num_tokens for g in segments)
-        return active / len(segments) < SLOT_GROUPING_MAX_MEAN_SEGMENT_LEN
+        """Whether control ops should gather by slot rather than loop over segments:
+        when that saves GEMMs and segments are short (decided once per batch)."""
+        return self._host.prefers_slot_groups
 
     # --------------------------------------------------------------- updates
     def refill(self, seq_lens: Sequence[int], slot_ids: Sequence[int | None]) -> None:

@@ -12,13 +12,17 @@ and never synchronises the device. Two plans (chosen once per batch by
 Rank truncation: only rows/columns ``[0, r)`` of each slot are read, so
 whatever lies beyond a rank never reaches the result. Inputs are validated by
 the dispatcher in :mod:`lora_cuda.ops`; these functions trust them.
+
+The host plan is baked into whatever a graph capture records, so these ops
+refuse to run under capture (real or simulated): a captured control-flow op
+would replay the capture-time batch's segments on every later batch.
 """
 
 from __future__ import annotations
 
 import torch
 
-from lora_core import BatchInfo
+from lora_core import BatchInfo, is_capturing
 
 __all__ = [
     "sgemm_lora_a_control_fwd",
@@ -27,14 +31,24 @@ __all__ = [
 ]
 
 
+def _refuse_capture(op: str) -> None:
+    if is_capturing():
+        raise RuntimeError(
+            f"{op} is a control-flow op: its segment loop is fixed at capture time and would replay "
+            "stale batches; build the batch info with use_graph=True to use the graph-safe ops"
+        )
+
+
 def sgemm_lora_a_control_fwd(
     x: torch.Tensor, weights: torch.Tensor, batch_info: BatchInfo, num_slices: int = 1
 ) -> torch.Tensor:
     """Scaled shrink. ``x: (T, in)``, ``weights: (L, c*R, in)`` -> ``(T, c*R)`` in ``x.dtype``."""
+    _refuse_capture("sgemm_lora_a_control_fwd")
     T, cR = x.shape[0], weights.shape[1]
     R = cR // num_slices
     out = x.new_zeros(T, cR)
-    if batch_info.prefers_slot_groups:
+    grouped = batch_info.prefers_slot_groups
+    if grouped:
         perm = batch_info.token_perm
         xp = x.index_select(0, perm)
         yp = x.new_zeros(perm.shape[0], cR)
@@ -47,7 +61,7 @@ def sgemm_lora_a_control_fwd(
             cols = slice(i * R, i * R + g.rank)
             o = dst[rows, cols]
             torch.addmm(o, src[rows], weights[g.slot, cols].T, beta=0, alpha=g.scaling, out=o)
-    if batch_info.prefers_slot_groups:
+    if grouped:
         out.index_copy_(0, batch_info.token_perm, yp)
     return out
 
@@ -61,6 +75,7 @@ def sgemm_lora_b_control_fwd(
 ) -> torch.Tensor:
     """Expand. ``x: (T, c*R)``, ``weights: (L, out_total, R)``, ``slice_offsets: (0, ..., out_total)``
     -> ``(T, out_total)``, accumulated into ``base_output`` in place when given."""
+    _refuse_capture("sgemm_lora_b_control_fwd")
     T, R = x.shape[0], weights.shape[2]
     out = base_output if base_output is not None else x.new_zeros(T, slice_offsets[-1])
     num_slices = len(slice_offsets) - 1
@@ -90,6 +105,7 @@ def sgemm_lora_a_embedding_control_fwd(
 
     Ids outside ``[0, num_valid_ids)`` get zeros (looked up as id 0, then masked).
     """
+    _refuse_capture("sgemm_lora_a_embedding_control_fwd")
     T, R = ids.shape[0], weights.shape[1]
     out = weights.new_zeros(T, R)
     valid = (ids >= 0) & (ids < num_valid_ids)
