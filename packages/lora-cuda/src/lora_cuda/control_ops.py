@@ -60,7 +60,7 @@ def sgemm_lora_a_control_fwd(
         for i in range(num_slices):
             cols = slice(i * R, i * R + g.rank)
             o = dst[rows, cols]
-            torch.addmm(o, src[rows], weights[g.slot, cols].T, beta=0, alpha=g.scaling, out=o)
+            torch.addmm(o, src[rows], weights[g.slot, cols].t(), beta=0, alpha=g.scaling, out=o)
     if grouped:
         out.index_copy_(0, batch_info.token_perm, yp)
     return out
@@ -87,14 +87,14 @@ def sgemm_lora_b_control_fwd(
             rows = slice(g.start, g.end)
             for i in range(num_slices):
                 cols = slice(slice_offsets[i], slice_offsets[i + 1])
-                torch.mm(yp[rows, i * R : i * R + g.rank], weights[g.slot, cols, : g.rank].T, out=delta[rows, cols])
+                torch.mm(yp[rows, i * R : i * R + g.rank], weights[g.slot, cols, : g.rank].t(), out=delta[rows, cols])
         out.index_add_(0, perm, delta)
         return out
     for g in batch_info.segments:
         rows = slice(g.start, g.end)
         for i in range(num_slices):
             cols = slice(slice_offsets[i], slice_offsets[i + 1])
-            out[rows, cols].addmm_(x[rows, i * R : i * R + g.rank], weights[g.slot, cols, : g.rank].T)
+            out[rows, cols].addmm_(x[rows, i * R : i * R + g.rank], weights[g.slot, cols, : g.rank].t())
     return out
 
 
@@ -119,7 +119,7 @@ def sgemm_lora_a_embedding_control_fwd(
     for g in groups:
         rows = slice(g.start, g.end)
         picked = weights[g.slot, : g.rank].index_select(1, src[rows])  # (r, n)
-        torch.mul(picked.T, g.scaling, out=dst[rows, : g.rank])
+        torch.mul(picked.t(), g.scaling, out=dst[rows, : g.rank])
     if grouped:
         out.index_copy_(0, batch_info.token_perm, dst)
     return out.masked_fill_(~valid[:, None], 0)

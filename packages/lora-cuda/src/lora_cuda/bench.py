@@ -1,0 +1,185 @@
+"""Benchmarks of the torch_native ops against a dense floor and the upstream designs.
+
+Every case is timed side by side in one process and reported as ratios to the
+**floor**: one dense shrink + expand pair (``mm`` + ``addmm``) with the same
+FLOPs, as if every token used one adapter. Baselines written here:
+
+* ``upstream control``: a Python loop over requests reading each segment's
+  length, slot, rank and scaling with ``.item()`` (sglang's control-flow op);
+* ``upstream graph``: a loop over all ``L`` slots multiplying every token by
+  every slot and masking with ``torch.where`` (sglang's graph op).
+
+Run ``python -m lora_cuda.bench`` (or ``lora-sim bench``); ``--smoke`` uses tiny
+shapes for a quick check that everything runs. Never run as a timed test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict, dataclass
+from typing import Callable, Sequence
+
+import torch
+from torch.utils import benchmark
+
+from lora_core import BatchInfo
+from lora_core.testing import make_batch_info, random_linear_weights
+
+from .ops import sgemm_lora_a_fwd, sgemm_lora_b_fwd
+
+__all__ = ["BenchCase", "BenchResult", "default_cases", "smoke_cases", "run_case", "format_table", "main"]
+
+
+@dataclass(frozen=True)
+class BenchCase:
+    name: str
+    seq_lens: tuple[int, ...]
+    slots: tuple[int, ...]
+    num_slots: int
+    hidden: int = 2048
+    out: int = 2048
+    max_rank: int = 16
+    dtype: str = "float32"
+
+
+@dataclass(frozen=True)
+class BenchResult:
+    case: str
+    floor_us: float
+    eager: float
+    graph: float
+    upstream_control: float
+    upstream_graph: float
+    threads: int
+
+    @property
+    def graph_vs_eager(self) -> float:
+        return self.graph / self.eager
+
+
+def default_cases() -> list[BenchCase]:
+    """The cases of the lora-cuda issue: prefill T=2048 in 8 segments over 4 adapters;
+    decode T=64 single-token requests over L = 1, 2, 4, 8 slots."""
+    cases = [BenchCase("prefill T=2048 S=8 L=4", (256,) * 8, tuple(i % 4 for i in range(8)), 4)]
+    for L in (1, 2, 4, 8):
+        cases.append(BenchCase(f"decode T=64 L={L}", (1,) * 64, tuple(t % L for t in range(64)), L))
+    return cases
+
+
+def smoke_cases() -> list[BenchCase]:
+    return [
+        BenchCase("smoke prefill", (16,) * 4, (0, 1, 0, 1), 2, hidden=64, out=64, max_rank=4),
+        BenchCase("smoke decode", (1,) * 8, tuple(t % 4 for t in range(8)), 4, hidden=64, out=64, max_rank=4),
+    ]
+
+
+def floor_lora(x: torch.Tensor, a0: torch.Tensor, b0: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+    """Dense floor: every token through one adapter, ``x (T, h)``, ``a0 (R, h)``, ``b0 (out, R)``."""
+    return base.addmm_(torch.mm(x, a0.T), b0.T)
+
+
+def upstream_control_lora(
+    x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, seg_lens: torch.Tensor, weight_indices: torch.Tensor,
+    ranks: torch.Tensor, scalings: torch.Tensor, base: torch.Tensor,
+) -> torch.Tensor:
+    """Upstream control design: per-request loop, lengths and scalings read with ``.item()``."""
+    start = 0
+    for i in range(seg_lens.shape[0]):
+        n = int(seg_lens[i].item())
+        slot = int(weight_indices[i].item())
+        if slot >= 0:
+            r = int(ranks[slot].item())
+            y = torch.mm(x[start : start + n], a[slot, :r].T) * scalings[slot].item()
+            base[start : start + n].addmm_(y, b[slot, :, :r].T)
+        start += n
+    return base
+
+
+def upstream_graph_lora(
+    x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, token_slots: torch.Tensor, scalings: torch.Tensor,
+    base: torch.Tensor,
+) -> torch.Tensor:
+    """Upstream graph design: every token times every slot, masked with ``torch.where``."""
+    for slot in range(a.shape[0]):
+        mask = (token_slots == slot)[:, None]
+        y = torch.mm(x, a[slot].T) * scalings[slot]
+        base += torch.where(mask, torch.mm(y, b[slot].T), 0)
+    return base
+
+
+def _ours(info: BatchInfo, a: torch.Tensor, b: torch.Tensor, offsets: tuple[int, ...]) -> Callable:
+    def run(x: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+        return sgemm_lora_b_fwd(sgemm_lora_a_fwd(x, a, info), b, info, offsets, base)
+
+    return run
+
+
+def _time_us(fn: Callable, *args, min_run_time: float) -> float:
+    timer = benchmark.Timer(stmt="fn(*args)", globals={"fn": fn, "args": args})
+    return timer.blocked_autorange(min_run_time=min_run_time).median * 1e6
+
+
+def run_case(case: BenchCase, *, min_run_time: float = 0.5, device: str = "cpu") -> BenchResult:
+    dtype = getattr(torch, case.dtype)
+    ranks = [case.max_rank] * case.num_slots
+    gen = torch.Generator().manual_seed(0)
+    a, b, offsets = random_linear_weights(gen, num_slots=case.num_slots, max_rank=case.max_rank,
+                                          in_features=case.hidden, slice_widths=[case.out], lora_ranks=ranks,
+                                          dtype=dtype, device=device, garbage=None)
+    T = sum(case.seq_lens)
+    x = torch.randn(T, case.hidden, generator=gen).to(device, dtype)
+    base = torch.zeros(T, case.out, device=device, dtype=dtype)
+    eager = make_batch_info(case.seq_lens, case.slots, ranks, device=device)
+    graph = make_batch_info(case.seq_lens, case.slots, ranks, device=device, use_graph=True)
+    seg_lens = torch.tensor(case.seq_lens, device=device)
+    weight_indices = torch.tensor(case.slots, device=device)
+    with torch.no_grad():
+        t = {
+            "floor": _time_us(floor_lora, x, a[0], b[0], base, min_run_time=min_run_time),
+            "eager": _time_us(_ours(eager, a, b, offsets), x, base, min_run_time=min_run_time),
+            "graph": _time_us(_ours(graph, a, b, offsets), x, base, min_run_time=min_run_time),
+            "upstream_control": _time_us(upstream_control_lora, x, a, b, seg_lens, weight_indices, eager.lora_ranks,
+                                         eager.scalings, base, min_run_time=min_run_time),
+            "upstream_graph": _time_us(upstream_graph_lora, x, a, b, graph.token_slots, graph.scalings, base,
+                                       min_run_time=min_run_time),
+        }
+    floor = t.pop("floor")
+    return BenchResult(case.name, floor, threads=torch.get_num_threads(), **{k: v / floor for k, v in t.items()})
+
+
+def format_table(results: Sequence[BenchResult]) -> str:
+    """A Markdown table of ratios to the floor."""
+    lines = [
+        f"torch {torch.__version__}, {results[0].threads if results else torch.get_num_threads()} threads; "
+        "times are ratios to the dense floor (lower is better)",
+        "",
+        "| case | floor (us) | eager | graph | graph / eager | upstream control | upstream graph |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in results:
+        lines.append(
+            f"| {r.case} | {r.floor_us:.0f} | {r.eager:.2f}x | {r.graph:.2f}x | {r.graph_vs_eager:.2f}x | "
+            f"{r.upstream_control:.2f}x | {r.upstream_graph:.2f}x |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m lora_cuda.bench", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes, a quick check that everything runs")
+    parser.add_argument("--min-run-time", type=float, default=0.5, help="seconds per measurement (default 0.5)")
+    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    args = parser.parse_args(argv)
+    cases = smoke_cases() if args.smoke else default_cases()
+    min_run_time = 0.01 if args.smoke else args.min_run_time
+    results = [run_case(c, min_run_time=min_run_time) for c in cases]
+    print(format_table(results))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([asdict(r) | {"graph_vs_eager": r.graph_vs_eager} for r in results], f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,35 @@
+"""The benchmark runs end to end on tiny shapes (no timing is asserted)."""
+
+import math
+
+from lora_cuda import bench
+
+
+def test_smoke_run_prints_a_ratio_table(capsys, tmp_path):
+    assert bench.main(["--smoke", "--json", str(tmp_path / "r.json")]) == 0
+    out = capsys.readouterr().out
+    assert "| smoke decode |" in out and "upstream graph" in out
+    results = [bench.run_case(c, min_run_time=0.001) for c in bench.smoke_cases()]
+    for r in results:
+        assert all(math.isfinite(v) and v > 0 for v in (r.eager, r.graph, r.upstream_control, r.upstream_graph))
+
+
+def test_baselines_compute_the_same_delta_as_the_ops():
+    import torch
+
+    from lora_core.testing import make_batch_info, random_linear_weights
+    from lora_cuda import sgemm_lora_a_fwd, sgemm_lora_b_fwd
+
+    ranks = [4, 4, 4]
+    gen = torch.Generator().manual_seed(0)
+    a, b, offsets = random_linear_weights(gen, num_slots=3, max_rank=4, in_features=8, slice_widths=[6],
+                                          lora_ranks=ranks, dtype=torch.float32, device="cpu", garbage=None)
+    x = torch.randn(6, 8, generator=gen)
+    seq, slots = (2, 1, 3), (0, 2, 1)
+    info = make_batch_info(seq, slots, ranks, device="cpu")
+    ours = sgemm_lora_b_fwd(sgemm_lora_a_fwd(x, a, info), b, info, offsets)
+    control = bench.upstream_control_lora(x, a, b, torch.tensor(seq), torch.tensor(slots), info.lora_ranks,
+                                          info.scalings, torch.zeros(6, 6))
+    graph = bench.upstream_graph_lora(x, a, b, info.token_slots, info.scalings, torch.zeros(6, 6))
+    torch.testing.assert_close(control, ours)
+    torch.testing.assert_close(graph, ours)
