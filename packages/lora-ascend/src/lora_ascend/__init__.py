@@ -1,8 +1,25 @@
-"""lora-ascend: vectorized multi-LoRA ops tuned for Ascend NPUs.
+"""lora-ascend: fully vectorized multi-LoRA ops and the ``ascend`` backend.
 
-Importing this package never requires torch_npu. The ``ascend`` backend is not
-implemented yet (see the lora-ascend issue); until then this package only
-reserves its name and dependency set.
+Tuned for Ascend NPUs, where every host-side loop iteration costs a kernel
+launch: every op here launches a fixed set of kernels whatever the number of
+segments or adapter slots, in eager mode as well as under graph capture. Runs
+on any torch device; importing it never requires torch_npu.
 """
 
+from .backend import AscendBackend
+from .ops import (
+    gathered_rows_bound,
+    vectorized_lora_a_embedding_fwd,
+    vectorized_lora_a_fwd,
+    vectorized_lora_b_fwd,
+)
+
 __version__ = "0.1.0"
+
+__all__ = [
+    "AscendBackend",
+    "gathered_rows_bound",
+    "vectorized_lora_a_embedding_fwd",
+    "vectorized_lora_a_fwd",
+    "vectorized_lora_b_fwd",
+]

@@ -9,7 +9,7 @@ from .adapters import (
     peft_scaling,
     save_peft_adapter,
 )
-from .backend import LoRABackend, available_backends, get_backend
+from .backend import BatchInfoBackend, LoRABackend, available_backends, get_backend
 from .batch_info import BatchInfo, TokenGroup, build_batch_info
 from .graphs import is_capturing
 from .layout import AdapterSlots, EmbeddingLoRABuffers, LinearLoRABuffers, slice_offsets_from_widths
@@ -19,6 +19,7 @@ __all__ = [
     "AdapterFormatError",
     "AdapterSlots",
     "BatchInfo",
+    "BatchInfoBackend",
     "EmbeddingLoRABuffers",
     "LinearLoRABuffers",
     "LoRABackend",

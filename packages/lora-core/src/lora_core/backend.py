@@ -16,7 +16,7 @@ import torch
 
 from .batch_info import BatchInfo
 
-__all__ = ["LoRABackend", "get_backend", "available_backends", "ENTRY_POINT_GROUP"]
+__all__ = ["LoRABackend", "BatchInfoBackend", "get_backend", "available_backends", "ENTRY_POINT_GROUP"]
 
 ENTRY_POINT_GROUP = "lora_core.backends"
 
@@ -113,3 +113,51 @@ def get_backend(name: str) -> type[LoRABackend]:
     if not (isinstance(cls, type) and issubclass(cls, LoRABackend)):
         raise TypeError(f"entry point {name!r} ({eps[name].value}) is not a LoRABackend subclass")
     return cls
+
+
+class BatchInfoBackend(LoRABackend):
+    """Shared plumbing for backends whose ops take the prepared :class:`BatchInfo`.
+
+    Implements batch preparation, graph batch-info allocation on ``self.device``
+    and the packed layers (qkv: 3 slices, gate_up: 2) as a shrink followed by an
+    expand; subclasses implement ``run_lora_a``, ``run_lora_b`` and
+    ``run_lora_a_embedding`` (still abstract here).
+    """
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+        self._batch_info: BatchInfo | None = None
+
+    @property
+    def batch_info(self) -> BatchInfo:
+        if self._batch_info is None:
+            raise RuntimeError(f"{type(self).__name__}: call prepare_batch() before running LoRA ops")
+        return self._batch_info
+
+    def prepare_batch(self, batch_info: BatchInfo) -> None:
+        if not isinstance(batch_info, BatchInfo):
+            raise TypeError(f"batch_info must be a lora_core.BatchInfo, got {type(batch_info).__name__}")
+        self._batch_info = batch_info
+
+    def init_graph_batch_info(
+        self, max_tokens: int, lora_ranks: Sequence[int], scalings: Sequence[float]
+    ) -> BatchInfo:
+        from .batch_info import build_batch_info
+
+        return build_batch_info(
+            [max_tokens], [None], lora_ranks, scalings, device=self.device, use_graph=True, max_tokens=max_tokens
+        )
+
+    def run_qkv(self, x, a_weights, b_weights, slice_offsets, base_output=None) -> torch.Tensor:
+        return self._run_packed("run_qkv", 3, x, a_weights, b_weights, slice_offsets, base_output)
+
+    def run_gate_up(self, x, a_weights, b_weights, slice_offsets, base_output=None) -> torch.Tensor:
+        return self._run_packed("run_gate_up", 2, x, a_weights, b_weights, slice_offsets, base_output)
+
+    def _run_packed(self, op, num_slices, x, a_weights, b_weights, slice_offsets, base_output):
+        if len(slice_offsets) != num_slices + 1:
+            raise ValueError(
+                f"{op} needs {num_slices} slices, i.e. {num_slices + 1} slice_offsets, got {len(slice_offsets)}"
+            )
+        shrunk = self.run_lora_a(x, a_weights, num_slices)
+        return self.run_lora_b(shrunk, b_weights, slice_offsets, base_output)
