@@ -28,7 +28,8 @@ from lora_core.testing import make_batch_info, random_linear_weights
 
 from .ops import sgemm_lora_a_fwd, sgemm_lora_b_fwd
 
-__all__ = ["BenchCase", "BenchResult", "default_cases", "smoke_cases", "run_case", "format_table", "main"]
+__all__ = ["BenchCase", "BenchResult", "default_cases", "smoke_cases", "run_case", "format_table", "main", "time_us",
+           "floor_lora", "upstream_control_lora", "upstream_graph_lora"]
 
 
 @dataclass(frozen=True)
@@ -115,7 +116,7 @@ def _ours(info: BatchInfo, a: torch.Tensor, b: torch.Tensor, offsets: tuple[int,
     return run
 
 
-def _time_us(fn: Callable, *args, min_run_time: float) -> float:
+def time_us(fn: Callable, *args, min_run_time: float) -> float:
     timer = benchmark.Timer(stmt="fn(*args)", globals={"fn": fn, "args": args})
     return timer.blocked_autorange(min_run_time=min_run_time).median * 1e6
 
@@ -136,12 +137,12 @@ def run_case(case: BenchCase, *, min_run_time: float = 0.5, device: str = "cpu")
     weight_indices = torch.tensor(case.slots, device=device)
     with torch.no_grad():
         t = {
-            "floor": _time_us(floor_lora, x, a[0], b[0], base, min_run_time=min_run_time),
-            "eager": _time_us(_ours(eager, a, b, offsets), x, base, min_run_time=min_run_time),
-            "graph": _time_us(_ours(graph, a, b, offsets), x, base, min_run_time=min_run_time),
-            "upstream_control": _time_us(upstream_control_lora, x, a, b, seg_lens, weight_indices, eager.lora_ranks,
+            "floor": time_us(floor_lora, x, a[0], b[0], base, min_run_time=min_run_time),
+            "eager": time_us(_ours(eager, a, b, offsets), x, base, min_run_time=min_run_time),
+            "graph": time_us(_ours(graph, a, b, offsets), x, base, min_run_time=min_run_time),
+            "upstream_control": time_us(upstream_control_lora, x, a, b, seg_lens, weight_indices, eager.lora_ranks,
                                          eager.scalings, base, min_run_time=min_run_time),
-            "upstream_graph": _time_us(upstream_graph_lora, x, a, b, graph.token_slots, graph.scalings, base,
+            "upstream_graph": time_us(upstream_graph_lora, x, a, b, graph.token_slots, graph.scalings, base,
                                        min_run_time=min_run_time),
         }
     floor = t.pop("floor")

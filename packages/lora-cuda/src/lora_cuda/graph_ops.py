@@ -10,7 +10,7 @@ computed on the host when the batch is built and refilled in place:
 * shrink: gather the blocks' rows of ``x`` and their slots' ``A``; one ``bmm``
   ``(NB, b, in) @ (NB, in, c*R)``; scale and mask by rank; ``index_add`` back;
 * expand: the same with ``B``, one ``bmm`` per slice, accumulated into the output;
-* embedding: one 3-D gather ``A[slot, rank, id]`` per token.
+* embedding: one 3-D gather ``A[slot, :, id]`` per token (all ranks at once).
 
 Every op launches the same kernels whatever the batch's segments and slots, reads
 nothing on the host, and keeps every shape fixed by the batch info's capacity.
@@ -90,11 +90,11 @@ def sgemm_lora_a_embedding_graph_fwd(
     ``weights: (L, R, V_total)`` -> ``(T, R)``; ids outside ``[0, num_valid_ids)`` get zeros."""
     T, R = ids.shape[0], weights.shape[1]
     slots = batch_info.token_slots[:T]
-    safe_slots = slots.clamp(min=0).long()
     valid = (slots >= 0) & (ids >= 0) & (ids < num_valid_ids)
+    safe_slots = torch.where(valid, slots, 0).long()
     safe_ids = torch.where(valid, ids, 0).long()
-    ranks = torch.arange(R, device=ids.device)
-    picked = weights[safe_slots[:, None], ranks[None, :], safe_ids[:, None]]  # (T, R)
-    in_rank = ranks[None, :] < batch_info.lora_ranks.index_select(0, safe_slots)[:, None]
+    # (slot, id) picks a row of the (L, V_total, R) view: all R ranks of the token at once
+    picked = weights.transpose(1, 2)[safe_slots, safe_ids]  # (T, R)
+    in_rank = torch.arange(R, device=ids.device)[None, :] < batch_info.lora_ranks.index_select(0, safe_slots)[:, None]
     scaled = picked * batch_info.scalings.index_select(0, safe_slots)[:, None]
     return torch.where(valid[:, None] & in_rank, scaled, 0).to(weights.dtype)

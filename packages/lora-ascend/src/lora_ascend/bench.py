@@ -1,0 +1,121 @@
+"""Benchmarks of the vectorized ops against a per-segment loop, side by side in one process.
+
+* embedding shrink: one 3-D gather vs a loop over segments (``F.embedding`` per
+  segment, scaling read with ``.item()``), at 1, 8 and 64 segments;
+* shrink + expand: vectorized vs the same per-segment loop and the dense floor
+  of :mod:`lora_cuda.bench`, at 1, 8 and 64 segments over 8 slots.
+
+Run ``python -m lora_ascend.bench`` (or ``lora-sim bench``); ``--smoke`` for tiny shapes.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from lora_core.testing import make_batch_info, random_linear_weights
+from lora_cuda.bench import floor_lora, time_us, upstream_control_lora
+
+from .ops import vectorized_lora_a_embedding_fwd, vectorized_lora_a_fwd, vectorized_lora_b_fwd
+
+__all__ = ["loop_embedding_shrink", "run", "main"]
+
+
+def loop_embedding_shrink(
+    ids: torch.Tensor, weights: torch.Tensor, seg_lens: torch.Tensor, weight_indices: torch.Tensor,
+    ranks: torch.Tensor, scalings: torch.Tensor,
+) -> torch.Tensor:
+    """The per-segment design: a host loop reading each segment's length, slot and scaling."""
+    out = weights.new_zeros(ids.shape[0], weights.shape[1])
+    start = 0
+    for i in range(seg_lens.shape[0]):
+        n, slot = int(seg_lens[i].item()), int(weight_indices[i].item())
+        if slot >= 0:
+            r = int(ranks[slot].item())
+            out[start : start + n, :r] = F.embedding(ids[start : start + n], weights[slot, :r].T) * scalings[slot].item()
+        start += n
+    return out
+
+
+@dataclass(frozen=True)
+class Row:
+    op: str
+    case: str
+    vectorized_us: float
+    loop_us: float
+    floor_us: float | None
+
+    @property
+    def speedup(self) -> float:
+        return self.loop_us / self.vectorized_us
+
+
+def _layout(num_tokens: int, num_segments: int, num_slots: int) -> tuple[list[int], list[int]]:
+    base, extra = divmod(num_tokens, num_segments)
+    seq = [base + (i < extra) for i in range(num_segments)]
+    return seq, [i % num_slots for i in range(num_segments)]
+
+
+def run(*, smoke: bool = False, min_run_time: float = 0.5) -> list[Row]:
+    V, R, L, H = (500, 4, 4, 64) if smoke else (32000, 16, 8, 2048)
+    gen = torch.Generator().manual_seed(0)
+    rows: list[Row] = []
+    emb = torch.randn(L, R, V, generator=gen)
+    ranks = [R] * L
+    for T, segments in ([(16, 1), (16, 4), (16, 16)] if smoke else [(64, 1), (64, 8), (64, 64), (2048, 8)]):
+        seq, slots = _layout(T, segments, L)
+        info = make_batch_info(seq, slots, ranks, device="cpu")
+        ids = torch.randint(0, V, (T,), generator=gen)
+        args = (torch.tensor(seq), torch.tensor(slots), info.lora_ranks, info.scalings)
+        rows.append(Row("embedding shrink", f"T={T} segments={segments}",
+                        time_us(vectorized_lora_a_embedding_fwd, ids, emb, info, V, min_run_time=min_run_time),
+                        time_us(loop_embedding_shrink, ids, emb, *args, min_run_time=min_run_time), None))
+    a, b, offsets = random_linear_weights(gen, num_slots=L, max_rank=R, in_features=H, slice_widths=[H],
+                                          lora_ranks=ranks, dtype=torch.float32, device="cpu", garbage=None)
+    T = 16 if smoke else 64
+    x = torch.randn(T, H, generator=gen)
+    base = torch.zeros(T, H)
+    for segments in ((1, 4, 16) if smoke else (1, 8, 64)):
+        seq, slots = _layout(T, segments, L)
+        info = make_batch_info(seq, slots, ranks, device="cpu")
+
+        def vectorized(x, base, info=info):
+            return vectorized_lora_b_fwd(vectorized_lora_a_fwd(x, a, info), b, info, offsets, base)
+
+        with torch.no_grad():
+            rows.append(Row("shrink+expand", f"T={T} segments={segments} L={L}",
+                            time_us(vectorized, x, base, min_run_time=min_run_time),
+                            time_us(upstream_control_lora, x, a, b, torch.tensor(seq), torch.tensor(slots),
+                                    info.lora_ranks, info.scalings, base, min_run_time=min_run_time),
+                            time_us(floor_lora, x, a[0], b[0], base, min_run_time=min_run_time)))
+    return rows
+
+
+def format_table(rows: Sequence[Row]) -> str:
+    lines = [
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads",
+        "",
+        "| op | case | vectorized (us) | per-segment loop (us) | loop / vectorized | vectorized / dense floor |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        floor = f"{r.vectorized_us / r.floor_us:.2f}x" if r.floor_us else "-"
+        lines.append(f"| {r.op} | {r.case} | {r.vectorized_us:.0f} | {r.loop_us:.0f} | {r.speedup:.1f}x | {floor} |")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m lora_ascend.bench", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes, a quick check that everything runs")
+    parser.add_argument("--min-run-time", type=float, default=0.5, help="seconds per measurement (default 0.5)")
+    args = parser.parse_args(argv)
+    print(format_table(run(smoke=args.smoke, min_run_time=0.01 if args.smoke else args.min_run_time)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
