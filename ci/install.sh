@@ -10,4 +10,5 @@ export PIP_CONSTRAINT="$PWD/ci/constraints-cpu.txt" PIP_DISABLE_PIP_VERSION_CHEC
   -e "packages/lora-core[test]" \
   -e "packages/lora-cuda[test]" \
   -e "packages/lora-ascend[test]" \
-  -e "packages/lora-layers[test]" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
+  -e "packages/lora-layers[test]" \
+  -r tests/requirements.txt 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)

@@ -120,6 +120,7 @@ class BatchInfo:
         device: torch.device,
         use_graph: bool,
         capacity: int | None,
+        _is_view: bool = False,
     ) -> None:
         self.device = device
         self.use_graph = use_graph
@@ -134,6 +135,8 @@ class BatchInfo:
         self._set_host(host)
         self._allocate_device_tensors()
         self._copy_host_to_device()
+        if use_graph and not _is_view:
+            self.lm_head_view(pruned=True)  # preallocated now: never built during a capture
 
     # ------------------------------------------------------------------ sizes
     @property
@@ -236,6 +239,7 @@ class BatchInfo:
                 device=self.device,
                 use_graph=self.use_graph,
                 capacity=self.capacity,
+                _is_view=True,
             )
         return self._lm_head_view
 

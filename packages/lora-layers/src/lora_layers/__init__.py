@@ -1,7 +1,33 @@
-"""lora-layers: module wrappers, tensor parallelism and the MultiLoRA API.
+"""lora-layers: module wrappers over lora-kit backends, tensor parallelism, the
+``MultiLoRA`` API and the ``lora-sim`` command."""
 
-Not implemented yet (see the lora-layers issue); this package only reserves its
-name and dependency set.
-"""
+from .models import TinyConfig, TinyDecoder
+from .multilora import MultiLoRA
+from .parallel import TensorParallel
+from .wrappers import (
+    ColumnParallelLinearWithLoRA,
+    EmbeddingWithLoRA,
+    LinearWithLoRA,
+    LMHeadWithLoRA,
+    LoRAContext,
+    MergedColumnParallelLinearWithLoRA,
+    QKVParallelLinearWithLoRA,
+    RowParallelLinearWithLoRA,
+)
 
 __version__ = "0.1.0"
+
+__all__ = [
+    "ColumnParallelLinearWithLoRA",
+    "EmbeddingWithLoRA",
+    "LMHeadWithLoRA",
+    "LinearWithLoRA",
+    "LoRAContext",
+    "MergedColumnParallelLinearWithLoRA",
+    "MultiLoRA",
+    "QKVParallelLinearWithLoRA",
+    "RowParallelLinearWithLoRA",
+    "TensorParallel",
+    "TinyConfig",
+    "TinyDecoder",
+]
