@@ -108,8 +108,9 @@ class TestDevice:
     def __repr__(self) -> str:
         return f"TestDevice({self.name!r})"
 
-    def _capture(self, fn: Callable[..., Any], inputs: Sequence[Any]) -> tuple[Any, Callable[[], None]]:
-        """Capture ``fn(*inputs)``; returns its static outputs and a replay function."""
+    def capture(self, fn: Callable[..., Any], *inputs: Any) -> tuple[Any, Callable[[], None]]:
+        """Capture ``fn(*inputs)`` on a graph device; returns its static outputs and a
+        replay function that recomputes them in place from the (refilled) inputs."""
         if self.name == "cpu-graphsim":
             sim = GraphSimulator(strict=True)
             return sim.capture(fn, *inputs), sim.replay
@@ -135,7 +136,7 @@ class TestDevice:
         if not self.is_graph:
             with torch.no_grad():
                 return fn(*inputs)
-        out, replay = self._capture(fn, inputs)
+        out, replay = self.capture(fn, *inputs)
         replay()
         return out
 
@@ -153,7 +154,7 @@ class TestDevice:
                 out_a = clone_outputs(fn(*inputs))
                 refill()
                 return out_a, clone_outputs(fn(*inputs))
-        out, replay = self._capture(fn, inputs)
+        out, replay = self.capture(fn, *inputs)
         replay()
         out_a = clone_outputs(out)
         refill()

@@ -1,0 +1,92 @@
+"""lora-sim end to end on CPU: the table, exit statuses, and one-line errors for bad input."""
+
+import json
+
+import pytest
+
+from lora_core import save_peft_adapter
+from lora_layers import sim
+
+SMALL = '{"vocab_size": 64, "hidden_size": 32, "intermediate_size": 48, "num_attention_heads": 4}'
+
+
+def test_default_workload_passes_on_cpu_devices(capsys, tmp_path):
+    code = sim.main(["--device", "cpu", "--device", "cpu-graphsim", "--model-config", SMALL,
+                     "--decode-steps", "2", "--json", str(tmp_path / "r.json")])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "| torch_native | cpu | pass |" in out and "| ascend | cpu-graphsim | pass |" in out
+    assert "safe (strict simulated capture)" in out
+    rows = json.loads((tmp_path / "r.json").read_text())["rows"]
+    assert {r["status"] for r in rows} == {"pass"} and all(r["launches_per_decode_step"] > 0 for r in rows)
+
+
+def test_unavailable_devices_are_rows_that_say_why(capsys):
+    assert sim.main(["--device", "cpu", "--device", "npu", "--backend", "torch_native", "--model-config", SMALL,
+                     "--decode-steps", "1"]) == 0
+    assert "| torch_native | npu | skipped: torch_npu" in capsys.readouterr().out
+
+
+def test_a_row_outside_tolerance_fails_the_run(capsys, monkeypatch):
+    real = sim.reference_logits
+    monkeypatch.setattr(sim, "reference_logits", lambda *a, **k: real(*a, **k) + 1e-3)
+    assert sim.main(["--device", "cpu", "--backend", "torch_native", "--model-config", SMALL,
+                     "--decode-steps", "1"]) == 1
+    assert "| torch_native | cpu | fail |" in capsys.readouterr().out
+
+
+def test_real_adapters_are_served(capsys, tmp_path):
+    config = sim._parse_config(SMALL)
+    paths = sim.make_synthetic_adapters(config, tmp_path)
+    args = [f"--adapter=mine={paths['r16']}", "--device", "cpu", "--model-config", SMALL, "--decode-steps", "1"]
+    assert sim.main(args) == 0
+    assert "adapters ['mine']" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--adapter", "x=/no/such/dir"], "--adapter x: adapter directory /no/such/dir does not exist"),
+        (["--adapter", "nonsense"], "--adapter expects NAME=PATH"),
+        (["--backend", "cutlass"], "unknown backend 'cutlass'; choose from ascend, torch_native"),
+        (["--device", "tpu"], "unknown device 'tpu'"),
+        (["--model-config", "{bad"], "--model-config is neither a JSON file nor inline JSON"),
+        (["--model-config", '{"layers": 3}'], "unknown keys ['layers']"),
+    ],
+)
+def test_bad_input_is_one_line_with_exit_status_2(capsys, args, message):
+    assert sim.main(args) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_adapter_that_does_not_fit_the_model_is_exit_2(capsys, tmp_path):
+    import torch
+
+    path = save_peft_adapter(tmp_path / "wide", {"model.layers.0.self_attn.q_proj": (torch.ones(2, 999), torch.ones(32, 2))},
+                             lora_alpha=2)
+    assert sim.main(["--adapter", f"w={path}", "--model-config", SMALL]) == 2
+    assert "does not fit module 'model.layers.0.self_attn.qkv_proj'" in capsys.readouterr().err
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "adapter_config.json").write_text("{oops")
+    assert sim.main(["--adapter", f"b={tmp_path / 'broken'}"]) == 2
+    assert "is not valid JSON" in capsys.readouterr().err
+
+
+def test_devices_command_prints_the_matrix(capsys):
+    assert sim.main(["devices"]) == 0
+    out = capsys.readouterr().out
+    assert "| cpu | yes |" in out and "| cuda |" in out and "| npu | no |" in out
+
+
+def test_plot_without_matplotlib_is_a_clear_message(capsys, monkeypatch, tmp_path):
+    monkeypatch.setitem(__import__("sys").modules, "matplotlib", None)  # as if not installed
+    code = sim.main(["--device", "cpu", "--backend", "torch_native", "--model-config", SMALL, "--decode-steps", "1",
+                     "--plot", str(tmp_path / "p.png")])
+    assert code == 2 and "--plot needs matplotlib" in capsys.readouterr().err
+
+
+def test_bench_smoke_runs_both_backends_benchmarks(capsys):
+    assert sim.main(["bench", "--smoke"]) == 0
+    out = capsys.readouterr().out
+    assert "upstream graph" in out and "per-segment loop" in out
