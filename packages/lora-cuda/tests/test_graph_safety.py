@@ -13,6 +13,8 @@ from lora_core.testing import (
 )
 from lora_cuda import (
     control_ops,
+    graph_kernel,
+    use_graph_kernel,
     sgemm_lora_a_control_fwd,
     sgemm_lora_a_embedding_fwd,
     sgemm_lora_a_fwd,
@@ -23,6 +25,14 @@ from lora_cuda import (
 )
 
 RANKS = [16, 3, 0, 8]  # below R, zero, full
+KERNELS = ["grouped", "blocked"]
+
+
+@pytest.fixture(params=KERNELS)
+def kernel(request):
+    """Run the test with each graph kernel (grouped GEMM, token blocks)."""
+    with use_graph_kernel(request.param):
+        yield request.param
 
 
 def _weights(num_slices, widths, ranks=RANKS, R=16, in_features=32, num_slots=None):
@@ -33,13 +43,14 @@ def _weights(num_slices, widths, ranks=RANKS, R=16, in_features=32, num_slots=No
 
 
 @pytest.mark.parametrize("widths", [[24], [24, 8], [32, 8, 8]], ids=["1-slice", "gate_up", "qkv-gqa"])
-def test_graph_and_control_paths_agree_when_ranks_are_below_max_rank(widths):
+def test_graph_and_control_paths_agree_when_ranks_are_below_max_rank(widths, kernel):
     # SPEC §1 bug 4: with several slices and rank < R the paths diverged upstream.
     a, b, offsets, x = _weights(len(widths), widths)
     batch = ([3, 5, 2, 6, 4], [0, 1, 3, None, 1])
     eager = make_batch_info(*batch, RANKS, device="cpu")
     graph = make_batch_info(*batch, RANKS, device="cpu", use_graph=True)
     c = len(widths)
+    assert graph_kernel(graph, 20, torch.float32, 32, 16 * c) == kernel
     y_control, y_graph = sgemm_lora_a_fwd(x, a, eager, c), sgemm_lora_a_fwd(x, a, graph, c)
     torch.testing.assert_close(y_control, y_graph, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(sgemm_lora_b_fwd(y_control, b, eager, offsets),
@@ -93,7 +104,7 @@ def _graph_counts(seq_lens, slots, ranks, num_slots, widths=(24, 8)):
 
 
 @pytest.mark.parametrize("num_segments", [1, 8, 64])
-def test_graph_ops_launch_the_same_kernels_whatever_the_segments(num_segments):
+def test_graph_ops_launch_the_same_kernels_whatever_the_segments(num_segments, kernel):
     ranks = [16, 8, 4, 16, 2, 16, 1, 16]
     seq = [64 // num_segments] * num_segments
     slots = [s % 8 for s in range(num_segments)]
@@ -101,10 +112,10 @@ def test_graph_ops_launch_the_same_kernels_whatever_the_segments(num_segments):
     counts = _graph_counts(seq, slots, ranks, 8)
     for got, ref in zip(counts, reference):
         assert got.ops == ref.ops and got.host_reads == 0
-    print(f"segments={num_segments}: shrink/expand/embedding ops = {[c.ops for c in counts]}")
+    print(f"{kernel} segments={num_segments}: shrink/expand/embedding ops = {[c.ops for c in counts]}")
 
 
-def test_graph_path_flops_do_not_grow_with_the_number_of_slots():
+def test_graph_path_flops_do_not_grow_with_the_number_of_slots(kernel):
     # SPEC §1 bug 5: upstream multiplied every token by every slot (L x the FLOPs).
     T = 512
     macs = {}

@@ -104,6 +104,11 @@ class BatchInfo:
     blocks of ``b = block_size`` rows, each on one slot; padding rows point at
     token 0 and are invalid): block_slots (NB,) int64, block_ranks (NB,) int32,
     block_scalings (NB,) float32, block_tokens (NB*b,) int64, block_valid (NB, b) bool.
+    Tokens sorted by slot for grouped GEMMs (static ``T`` rows: active tokens
+    grouped by slot, then the others): sorted_tokens (T,) int64, sorted_ranks (T,)
+    int32 and sorted_scalings (T,) float32 (0 for rows without an adapter),
+    group_ends (L,) int32 (end row of each slot's group; the last group also
+    holds the rows without an adapter, so it ends at ``T``).
     Host mirrors: ``*_cpu`` CPU tensors of the same, and the plans
     ``segments`` / ``slot_groups`` (tuples of :class:`TokenGroup`, active slots only).
 
@@ -265,6 +270,29 @@ class BatchInfo:
         self.token_slots_cpu = self._host_tensor(host.token_slots + (-1,) * tok_pad, torch.int32)
         self.token_perm_cpu = self._host_tensor(host.token_perm, torch.int64)
         self._set_blocks_host(host)
+        self._set_sorted_host(host)
+
+    def _set_sorted_host(self, host: _HostBatch) -> None:
+        rows = self.capacity if self.use_graph else host.num_real_tokens
+        active = set(host.token_perm)
+        rest = [t for t in range(host.num_real_tokens) if t not in active]
+        pad = rows - host.num_real_tokens
+        sorted_tokens, ranks, scalings = list(host.token_perm) + rest + [0] * pad, [], []
+        for g in host.slot_groups:
+            ranks.extend([g.rank] * g.num_tokens)
+            scalings.extend([g.scaling] * g.num_tokens)
+        inactive = rows - len(ranks)
+        ends, end, groups = [], 0, {g.slot: g for g in host.slot_groups}
+        for slot in range(self.num_slots):
+            end += groups[slot].num_tokens if slot in groups else 0
+            ends.append(end)
+        # rows without an adapter join the last group: every row is computed, and
+        # their zeroed (masked) inputs give exactly zero deltas
+        ends[-1] = rows
+        self.sorted_tokens_cpu = self._host_tensor(sorted_tokens, torch.int64)
+        self.sorted_ranks_cpu = self._host_tensor(ranks + [0] * inactive, torch.int32)
+        self.sorted_scalings_cpu = self._host_tensor(scalings + [0.0] * inactive, torch.float32)
+        self.group_ends_cpu = self._host_tensor(ends, torch.int32)
 
     def _set_blocks_host(self, host: _HostBatch) -> None:
         b, nb = self.block_size, self.num_blocks
@@ -319,7 +347,8 @@ class BatchInfo:
 
 
 _STATIC_TENSORS = ("seg_lens", "seg_indptr", "weight_indices", "token_slots", "lora_ranks", "scalings")
-_BLOCK_TENSORS = ("block_slots", "block_ranks", "block_scalings", "block_tokens", "block_valid")
+_BLOCK_TENSORS = ("block_slots", "block_ranks", "block_scalings", "block_tokens", "block_valid",
+                  "sorted_tokens", "sorted_ranks", "sorted_scalings", "group_ends")
 
 
 def build_batch_info(

@@ -2,15 +2,21 @@
 
 Upstream's graph path looped over all ``L`` slots and multiplied every token by
 every slot's weights, masking the result (SPEC §1 bug 5: ``L`` times the FLOPs).
-Here every token is multiplied by its own slot's weights only. The batch info
-packs the tokens of each slot into blocks of ``b`` rows (``NB = ceil(T/b) + L``
-blocks: static for a given capacity, at most one partly filled block per slot),
-computed on the host when the batch is built and refilled in place:
+Here every token is multiplied by its own slot's weights only, with one of two
+kernels; both read their per-batch plan from tensors that the batch info fills
+on the host and refills in place:
 
-* shrink: gather the blocks' rows of ``x`` and their slots' ``A``; one ``bmm``
-  ``(NB, b, in) @ (NB, in, c*R)``; scale and mask by rank; ``index_add`` back;
-* expand: the same with ``B``, one ``bmm`` per slice, accumulated into the output;
-* embedding: one 3-D gather ``A[slot, :, id]`` per token (all ranks at once).
+* **grouped** (``torch._grouped_mm``): tokens sorted by slot (``sorted_tokens``,
+  static ``T`` rows) and per-slot group ends; one grouped GEMM against the
+  weight stack as it is, no padding, no weight copies. Used where it is known
+  to work: CPU with torch >= 2.9 (all float dtypes);
+* **blocked** (fallback everywhere else): each slot's tokens packed into blocks
+  of ``b`` rows (``NB = ceil(T/b) + L`` blocks, at most one partly filled block
+  per slot); gather the blocks' rows and their slots' weights and run one ``bmm``.
+
+Either way the shrink is scaled and masked by rank and scattered back with
+``index_add``; the expand runs once per slice and accumulates into the output.
+Embedding: one 3-D gather ``A[slot, :, id]`` per token (all ranks at once).
 
 Every op launches the same kernels whatever the batch's segments and slots, reads
 nothing on the host, and keeps every shape fixed by the batch info's capacity.
@@ -21,13 +27,61 @@ from __future__ import annotations
 
 import torch
 
+import contextlib
+from typing import Iterator
+
 from lora_core import BatchInfo
 
 __all__ = [
     "sgemm_lora_a_graph_fwd",
     "sgemm_lora_b_graph_fwd",
     "sgemm_lora_a_embedding_graph_fwd",
+    "graph_kernel",
+    "use_graph_kernel",
 ]
+
+_kernel_override: str | None = None
+
+
+def _aligned(dtype: torch.dtype, *sizes: int) -> bool:
+    """Grouped GEMMs need every row stride and slice offset to be a multiple of 16 bytes."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return all(size * itemsize % 16 == 0 for size in sizes)
+
+
+def graph_kernel(batch_info: BatchInfo, rows: int, dtype: torch.dtype, *sizes: int) -> str:
+    """``"grouped"`` or ``"blocked"``: the kernel for ``rows`` rows of ``dtype`` whose
+    row strides / slice offsets are ``sizes`` elements. Decided from metadata only."""
+    grouped_possible = (
+        hasattr(torch, "_grouped_mm")
+        and rows == batch_info.sorted_tokens.shape[0]
+        and _aligned(dtype, *sizes)
+    )
+    if _kernel_override is not None:
+        return _kernel_override if grouped_possible else "blocked"
+    return "grouped" if grouped_possible and batch_info.device.type == "cpu" else "blocked"
+
+
+@contextlib.contextmanager
+def use_graph_kernel(kernel: str) -> Iterator[None]:
+    """Prefer ``"grouped"`` (where its shape and alignment rules hold) or force
+    ``"blocked"`` within the block (tests, benchmarks, new hardware)."""
+    global _kernel_override
+    if kernel not in ("grouped", "blocked"):
+        raise ValueError(f"kernel must be 'grouped' or 'blocked', got {kernel!r}")
+    if kernel == "grouped" and not hasattr(torch, "_grouped_mm"):
+        raise RuntimeError(f"torch {torch.__version__} has no torch._grouped_mm")
+    previous, _kernel_override = _kernel_override, kernel
+    try:
+        yield
+    finally:
+        _kernel_override = previous
+
+
+def _sorted_row_mask(batch_info: BatchInfo, max_rank: int, num_slices: int) -> torch.Tensor:
+    """``(T, c*R)`` bool for sorted rows: the column is within the row's slot rank (0 without adapter)."""
+    cols = torch.arange(max_rank, device=batch_info.device)
+    return (cols[None, :] < batch_info.sorted_ranks[:, None]).repeat(1, num_slices)
 
 
 def _block_row_mask(batch_info: BatchInfo, max_rank: int, num_slices: int) -> torch.Tensor:
@@ -43,6 +97,12 @@ def sgemm_lora_a_graph_fwd(
     """Scaled shrink. ``x: (T, in)``, ``weights: (L, c*R, in)`` -> ``(T, c*R)`` in ``x.dtype``."""
     T, in_features = x.shape
     cR = weights.shape[1]
+    if graph_kernel(batch_info, T, x.dtype, in_features, cR) == "grouped":
+        order = batch_info.sorted_tokens
+        ys = torch._grouped_mm(x.index_select(0, order), weights.transpose(1, 2), offs=batch_info.group_ends)
+        scaled = ys * batch_info.sorted_scalings[:, None]
+        ys = torch.where(_sorted_row_mask(batch_info, cR // num_slices, num_slices), scaled, 0).to(x.dtype)
+        return x.new_zeros(T, cR).index_add_(0, order, ys)
     nb, b = batch_info.num_blocks, batch_info.block_size
     xb = x.index_select(0, batch_info.block_tokens).view(nb, b, in_features)
     wb = weights.index_select(0, batch_info.block_slots)  # (NB, c*R, in)
@@ -65,8 +125,20 @@ def sgemm_lora_b_graph_fwd(
     T, cR = x.shape
     R, out_total = weights.shape[2], slice_offsets[-1]
     num_slices = len(slice_offsets) - 1
-    nb, b = batch_info.num_blocks, batch_info.block_size
     out = base_output if base_output is not None else x.new_zeros(T, out_total)
+    strides = (R, out_total * R, *(o * R for o in slice_offsets[1:-1]), *slice_offsets[1:])
+    if graph_kernel(batch_info, T, x.dtype, *strides) == "grouped":
+        order = batch_info.sorted_tokens
+        # rows without an adapter (rank 0) are zeroed here, so the last group's GEMM gives them 0
+        ys = torch.where(_sorted_row_mask(batch_info, R, num_slices), x.index_select(0, order), 0)
+        parts = [
+            torch._grouped_mm(ys[:, i * R : (i + 1) * R].contiguous(),
+                              weights[:, slice_offsets[i] : slice_offsets[i + 1]].transpose(1, 2),
+                              offs=batch_info.group_ends)
+            for i in range(num_slices)
+        ]
+        return out.index_add_(0, order, parts[0] if num_slices == 1 else torch.cat(parts, dim=1))
+    nb, b = batch_info.num_blocks, batch_info.block_size
     yb = x.index_select(0, batch_info.block_tokens).view(nb, b, cR)
     yb = torch.where(_block_row_mask(batch_info, R, num_slices), yb, 0)
     wb = weights.index_select(0, batch_info.block_slots)  # (NB, out_total, R)

@@ -32,7 +32,7 @@ class LaunchCount:
     host_reads: int
     signatures: int
     matmul_macs: int
-    """Multiply-accumulates of the matrix products (mm, addmm, bmm, baddbmm)."""
+    """Multiply-accumulates of the matrix products (mm, addmm, bmm, baddbmm, _grouped_mm)."""
     by_op: Counter = field(compare=False, repr=False)
     reads: tuple[Violation, ...] = field(compare=False, repr=False)
 
@@ -48,6 +48,8 @@ def _shapes(args: Any) -> tuple:
 
 
 def _matmul_macs(name: str, args: tuple) -> int:
+    if name == "_grouped_mm":  # (T, K) rows, each multiplied by one (K, N) matrix of the group stack
+        return args[0].numel() * args[1].shape[-1]
     operands = {"mm": (0, 1), "bmm": (0, 1), "addmm": (1, 2), "baddbmm": (1, 2)}.get(name)
     if operands is None:
         return 0
