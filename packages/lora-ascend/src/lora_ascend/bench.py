@@ -5,12 +5,15 @@
 * shrink + expand: vectorized vs the same per-segment loop and the dense floor
   of :mod:`lora_cuda.bench`, at 1, 8 and 64 segments over 8 slots.
 
+Variants are timed in interleaved rounds (medians reported).
+
 Run ``python -m lora_ascend.bench`` (or ``lora-sim bench``); ``--smoke`` for tiny shapes.
 """
 
 from __future__ import annotations
 
 import argparse
+from statistics import median
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -18,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from lora_core.testing import make_batch_info, random_linear_weights
-from lora_cuda.bench import floor_lora, time_us, upstream_control_lora
+from lora_cuda.bench import floor_lora, interleaved_times, upstream_control_lora
 
 from .ops import vectorized_lora_a_embedding_fwd, vectorized_lora_a_fwd, vectorized_lora_b_fwd
 
@@ -60,7 +63,8 @@ def _layout(num_tokens: int, num_segments: int, num_slots: int) -> tuple[list[in
     return seq, [i % num_slots for i in range(num_segments)]
 
 
-def run(*, smoke: bool = False, min_run_time: float = 0.5) -> list[Row]:
+def run(*, smoke: bool = False, min_run_time: float = 1.0) -> list[Row]:
+    """Times per op and case (medians of 5 interleaved rounds)."""
     V, R, L, H = (500, 4, 4, 64) if smoke else (32000, 16, 8, 2048)
     gen = torch.Generator().manual_seed(0)
     rows: list[Row] = []
@@ -71,9 +75,10 @@ def run(*, smoke: bool = False, min_run_time: float = 0.5) -> list[Row]:
         info = make_batch_info(seq, slots, ranks, device="cpu")
         ids = torch.randint(0, V, (T,), generator=gen)
         args = (torch.tensor(seq), torch.tensor(slots), info.lora_ranks, info.scalings)
-        rows.append(Row("embedding shrink", f"T={T} segments={segments}",
-                        time_us(vectorized_lora_a_embedding_fwd, ids, emb, info, V, min_run_time=min_run_time),
-                        time_us(loop_embedding_shrink, ids, emb, *args, min_run_time=min_run_time), None))
+        t = interleaved_times({"vectorized": (vectorized_lora_a_embedding_fwd, (ids, emb, info, V)),
+                               "loop": (loop_embedding_shrink, (ids, emb, *args))}, min_run_time=min_run_time)
+        rows.append(Row("embedding shrink", f"T={T} segments={segments}", median(t["vectorized"]), median(t["loop"]),
+                        None))
     a, b, offsets = random_linear_weights(gen, num_slots=L, max_rank=R, in_features=H, slice_widths=[H],
                                           lora_ranks=ranks, dtype=torch.float32, device="cpu", garbage=None)
     T = 16 if smoke else 64
@@ -86,12 +91,12 @@ def run(*, smoke: bool = False, min_run_time: float = 0.5) -> list[Row]:
         def vectorized(x, base, info=info):
             return vectorized_lora_b_fwd(vectorized_lora_a_fwd(x, a, info), b, info, offsets, base)
 
+        loop_args = (x, a, b, torch.tensor(seq), torch.tensor(slots), info.lora_ranks, info.scalings, base)
         with torch.no_grad():
-            rows.append(Row("shrink+expand", f"T={T} segments={segments} L={L}",
-                            time_us(vectorized, x, base, min_run_time=min_run_time),
-                            time_us(upstream_control_lora, x, a, b, torch.tensor(seq), torch.tensor(slots),
-                                    info.lora_ranks, info.scalings, base, min_run_time=min_run_time),
-                            time_us(floor_lora, x, a[0], b[0], base, min_run_time=min_run_time)))
+            t = interleaved_times({"vectorized": (vectorized, (x, base)), "loop": (upstream_control_lora, loop_args),
+                                   "floor": (floor_lora, (x, a[0], b[0], base))}, min_run_time=min_run_time)
+        rows.append(Row("shrink+expand", f"T={T} segments={segments} L={L}", median(t["vectorized"]),
+                        median(t["loop"]), median(t["floor"])))
     return rows
 
 
@@ -111,7 +116,8 @@ def format_table(rows: Sequence[Row]) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m lora_ascend.bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, a quick check that everything runs")
-    parser.add_argument("--min-run-time", type=float, default=0.5, help="seconds per measurement (default 0.5)")
+    parser.add_argument("--min-run-time", type=float, default=1.0,
+                        help="seconds per variant, split over 5 interleaved rounds (default 1.0)")
     args = parser.parse_args(argv)
     print(format_table(run(smoke=args.smoke, min_run_time=0.01 if args.smoke else args.min_run_time)))
     return 0

@@ -1,7 +1,7 @@
 """Benchmarks of the torch_native ops against a dense floor and the upstream designs.
 
-Every case is timed side by side in one process and reported as ratios to the
-**floor**: one dense shrink + expand pair (``mm`` + ``addmm``) with the same
+Every case is timed side by side in one process, in interleaved rounds (the
+reported ratio is the median over rounds), as ratios to the **floor**: one dense shrink + expand pair (``mm`` + ``addmm``) with the same
 FLOPs, as if every token used one adapter. Baselines written here:
 
 * ``upstream control``: a Python loop over requests reading each segment's
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 from dataclasses import asdict, dataclass
 from typing import Callable, Sequence
 
@@ -29,7 +30,7 @@ from lora_core.testing import make_batch_info, random_linear_weights
 from .ops import sgemm_lora_a_fwd, sgemm_lora_b_fwd
 
 __all__ = ["BenchCase", "BenchResult", "default_cases", "smoke_cases", "run_case", "format_table", "main", "time_us",
-           "floor_lora", "upstream_control_lora", "upstream_graph_lora"]
+           "floor_lora", "upstream_control_lora", "upstream_graph_lora", "interleaved_times"]
 
 
 @dataclass(frozen=True)
@@ -121,7 +122,19 @@ def time_us(fn: Callable, *args, min_run_time: float) -> float:
     return timer.blocked_autorange(min_run_time=min_run_time).median * 1e6
 
 
-def run_case(case: BenchCase, *, min_run_time: float = 0.5, device: str = "cpu") -> BenchResult:
+def interleaved_times(variants: dict[str, tuple[Callable, tuple]], *, min_run_time: float,
+                      rounds: int = 5) -> dict[str, list[float]]:
+    """Microseconds per call of each ``name: (fn, args)``, measured in ``rounds`` interleaved
+    rounds (each variant once per round), so slow phases of a noisy machine hit all alike."""
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(rounds):
+        for name, (fn, args) in variants.items():
+            times[name].append(time_us(fn, *args, min_run_time=min_run_time / rounds))
+    return times
+
+
+def run_case(case: BenchCase, *, min_run_time: float = 1.0, device: str = "cpu", rounds: int = 5) -> BenchResult:
+    """Time every variant of ``case`` in ``rounds`` interleaved rounds; ratios are per-round medians."""
     dtype = getattr(torch, case.dtype)
     ranks = [case.max_rank] * case.num_slots
     gen = torch.Generator().manual_seed(0)
@@ -135,18 +148,19 @@ def run_case(case: BenchCase, *, min_run_time: float = 0.5, device: str = "cpu")
     graph = make_batch_info(case.seq_lens, case.slots, ranks, device=device, use_graph=True)
     seg_lens = torch.tensor(case.seq_lens, device=device)
     weight_indices = torch.tensor(case.slots, device=device)
+    variants = {
+        "floor": (floor_lora, (x, a[0], b[0], base)),
+        "eager": (_ours(eager, a, b, offsets), (x, base)),
+        "graph": (_ours(graph, a, b, offsets), (x, base)),
+        "upstream_control": (upstream_control_lora,
+                             (x, a, b, seg_lens, weight_indices, eager.lora_ranks, eager.scalings, base)),
+        "upstream_graph": (upstream_graph_lora, (x, a, b, graph.token_slots, graph.scalings, base)),
+    }
     with torch.no_grad():
-        t = {
-            "floor": time_us(floor_lora, x, a[0], b[0], base, min_run_time=min_run_time),
-            "eager": time_us(_ours(eager, a, b, offsets), x, base, min_run_time=min_run_time),
-            "graph": time_us(_ours(graph, a, b, offsets), x, base, min_run_time=min_run_time),
-            "upstream_control": time_us(upstream_control_lora, x, a, b, seg_lens, weight_indices, eager.lora_ranks,
-                                         eager.scalings, base, min_run_time=min_run_time),
-            "upstream_graph": time_us(upstream_graph_lora, x, a, b, graph.token_slots, graph.scalings, base,
-                                       min_run_time=min_run_time),
-        }
-    floor = t.pop("floor")
-    return BenchResult(case.name, floor, threads=torch.get_num_threads(), **{k: v / floor for k, v in t.items()})
+        times = interleaved_times(variants, min_run_time=min_run_time, rounds=rounds)
+    floors = times.pop("floor")
+    ratios = {name: statistics.median(t / f for t, f in zip(values, floors)) for name, values in times.items()}
+    return BenchResult(case.name, statistics.median(floors), threads=torch.get_num_threads(), **ratios)
 
 
 def format_table(results: Sequence[BenchResult]) -> str:
@@ -169,7 +183,8 @@ def format_table(results: Sequence[BenchResult]) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m lora_cuda.bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, a quick check that everything runs")
-    parser.add_argument("--min-run-time", type=float, default=0.5, help="seconds per measurement (default 0.5)")
+    parser.add_argument("--min-run-time", type=float, default=1.0,
+                        help="seconds per variant, split over 5 interleaved rounds (default 1.0)")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = parser.parse_args(argv)
     cases = smoke_cases() if args.smoke else default_cases()
