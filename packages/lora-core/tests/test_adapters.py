@@ -99,3 +99,12 @@ def test_corrupt_weights_are_a_format_error(tmp_path):
     (tmp_path / "adapter_model.safetensors").write_bytes(b"garbage")
     with pytest.raises(AdapterFormatError, match="cannot read"):
         load_peft_adapter(tmp_path)
+
+
+def test_base_weights_saved_with_the_adapter_are_ignored_with_a_warning(tmp_path):
+    _write(tmp_path, tensors={"base_model.model.fc.lora_A.weight": torch.ones(2, 3),
+                              "base_model.model.fc.lora_B.weight": torch.ones(4, 2),
+                              "base_model.model.lm_head.weight": torch.ones(10, 4)})
+    with pytest.warns(UserWarning, match="ignoring base-model weights saved with the adapter: .*lm_head.weight"):
+        adapter = load_peft_adapter(tmp_path)
+    assert list(adapter.modules) == ["fc"]

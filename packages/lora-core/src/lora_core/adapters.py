@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -153,7 +154,15 @@ def load_peft_adapter(path: str | Path) -> PeftAdapter:
 
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     kinds: dict[str, str] = {}
+    base_weights = sorted(k for k in tensors if k.endswith(".weight") and "lora_" not in k)
+    if base_weights:
+        # PEFT's save_embedding_layers stores full embedding / LM-head weights next to the
+        # adapter; they are the base model's, which the serving model already holds
+        warnings.warn(f"{path}: ignoring base-model weights saved with the adapter: {', '.join(base_weights)}",
+                      stacklevel=2)
     for key, tensor in tensors.items():
+        if key in base_weights:
+            continue
         for suffix, (kind, side) in _SUFFIXES.items():
             if key.endswith(suffix):
                 module = key[: -len(suffix)]
