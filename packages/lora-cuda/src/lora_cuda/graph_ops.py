@@ -45,8 +45,7 @@ _kernel_override: str | None = None
 
 def _aligned(dtype: torch.dtype, *sizes: int) -> bool:
     """Grouped GEMMs need every row stride and slice offset to be a multiple of 16 bytes."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    return all(size * itemsize % 16 == 0 for size in sizes)
+    return all(size * dtype.itemsize % 16 == 0 for size in sizes)
 
 
 def graph_kernel(batch_info: BatchInfo, rows: int, dtype: torch.dtype, *sizes: int) -> str:
