@@ -8,17 +8,19 @@ not two): the batch info packs each slot's tokens into static blocks, so
 * shrink and expand gather each block's rows and its slot's weights and run one
   ``bmm`` (one per slice for expand), scattered back with ``index_add``.
 
-What this module adds is the Ascend dispatch policy: these ops run for eager
-batches too (``use_graph=False``), because on an NPU a host loop over segments
-costs a launch per segment, and the memory bound below.
+(where available the blocks give way to one grouped GEMM over tokens sorted by
+slot, with the same properties and no padding). What this module adds is the
+Ascend dispatch policy: these ops run for eager batches too (``use_graph=False``),
+because on an NPU a host loop over segments costs a launch per segment, and the
+memory bound below.
 
 Memory: for ``T`` rows, ``L`` slots and block size ``b`` (``BatchInfo.block_size``,
-at most 256), the gathered operands are ``NB = ceil(T / b) + L`` blocks:
+at most 256), the blocked kernel's gathered operands are ``NB = ceil(T / b) + L`` blocks:
 ``NB * b <= T + L * b`` rows of ``x`` and ``NB`` copies of a ``(c*R, in)`` weight
 slice. Peak extra memory therefore grows like ``T`` (about ``1 + L*b/T`` times
 the input), never like ``T * c*R * in`` as per-token weight gathering would, so
 no chunking is needed: at ``T = 8192`` the gathered weights are ``NB <= 40 + L``
-slices.
+slices. The grouped kernel gathers exactly ``T`` rows and copies no weights.
 """
 
 from __future__ import annotations
@@ -28,17 +30,7 @@ from typing import Sequence
 import torch
 
 from lora_core import BatchInfo
-from lora_core.validation import (
-    check_embedding_inputs,
-    check_lora_a_inputs,
-    check_lora_b_inputs,
-    check_token_ids,
-)
-from lora_cuda.graph_ops import (
-    sgemm_lora_a_embedding_graph_fwd,
-    sgemm_lora_a_graph_fwd,
-    sgemm_lora_b_graph_fwd,
-)
+from lora_cuda.ops import sgemm_lora_a_embedding_fwd, sgemm_lora_a_fwd, sgemm_lora_b_fwd
 
 __all__ = [
     "gathered_rows_bound",
@@ -49,16 +41,15 @@ __all__ = [
 
 
 def gathered_rows_bound(batch_info: BatchInfo) -> int:
-    """Rows of ``x`` the shrink gathers (``NB * b``); at most ``T + L * b``."""
+    """Rows of ``x`` the blocked kernel gathers (``NB * b``); at most ``T + L * b``."""
     return batch_info.num_blocks * batch_info.block_size
 
 
 def vectorized_lora_a_fwd(
     x: torch.Tensor, weights: torch.Tensor, batch_info: BatchInfo, num_slices: int = 1
 ) -> torch.Tensor:
-    """Scaled shrink. ``x: (T, in)``, ``weights: (L, c*R, in)`` -> ``(T, c*R)`` in ``x.dtype``."""
-    check_lora_a_inputs(x, weights, batch_info, num_slices)
-    return sgemm_lora_a_graph_fwd(x, weights, batch_info, num_slices)
+    """Scaled shrink, graph-safe kernels for any batch: see :func:`lora_cuda.sgemm_lora_a_fwd`."""
+    return sgemm_lora_a_fwd(x, weights, batch_info, num_slices, graph_safe=True)
 
 
 def vectorized_lora_b_fwd(
@@ -68,10 +59,8 @@ def vectorized_lora_b_fwd(
     slice_offsets: Sequence[int] | torch.Tensor,
     base_output: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Expand. ``x: (T, c*R)``, ``weights: (L, out_total, R)`` -> ``(T, out_total)``,
-    accumulated into ``base_output`` in place when given."""
-    offsets = check_lora_b_inputs(x, weights, batch_info, slice_offsets, base_output)
-    return sgemm_lora_b_graph_fwd(x, weights, batch_info, offsets, base_output)
+    """Expand, graph-safe kernels for any batch: see :func:`lora_cuda.sgemm_lora_b_fwd`."""
+    return sgemm_lora_b_fwd(x, weights, batch_info, slice_offsets, base_output, graph_safe=True)
 
 
 def vectorized_lora_a_embedding_fwd(
@@ -81,11 +70,6 @@ def vectorized_lora_a_embedding_fwd(
     vocab_size: int,
     extra_embeddings: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Embedding shrink by one 3-D gather. ``ids: (T,)`` integer, ``weights: (L, R, V_total)``
-    -> ``(T, R)``; ids outside ``[0, vocab_size + added)`` get a zero delta (or raise
-    under :func:`lora_core.strict_token_ids`). Empty weights give ``(T, 0)``."""
-    num_valid = check_embedding_inputs(ids, weights, batch_info, vocab_size, extra_embeddings)
-    check_token_ids(ids, num_valid)
-    if weights.numel() == 0:
-        return weights.new_zeros(ids.shape[0], weights.shape[1])
-    return sgemm_lora_a_embedding_graph_fwd(ids, weights, batch_info, num_valid)
+    """Embedding shrink by one gather per token, for any batch: see
+    :func:`lora_cuda.sgemm_lora_a_embedding_fwd` (zero delta out of vocabulary)."""
+    return sgemm_lora_a_embedding_fwd(ids, weights, batch_info, vocab_size, extra_embeddings, graph_safe=True)
