@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from lora_core.reference import reference_lora_a, reference_lora_b
+from lora_core.reference import reference_lora_a
 from lora_core.testing import (
     GraphSimulator,
     assert_close_to_reference,
