@@ -46,6 +46,7 @@ class _Attention(nn.Module):
         self.group = c.num_attention_heads // c.num_key_value_heads
         if c.fused:
             self.qkv_proj = nn.Linear(c.hidden_size, q + 2 * kv, bias=False)
+            self.qkv_proj.output_sizes = self.sizes  # slice widths, as vLLM's QKVParallelLinear has them
         else:
             self.q_proj = nn.Linear(c.hidden_size, q, bias=False)
             self.k_proj = nn.Linear(c.hidden_size, kv, bias=False)
@@ -67,6 +68,7 @@ class _MLP(nn.Module):
         super().__init__()
         if c.fused:
             self.gate_up_proj = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=False)
+            self.gate_up_proj.output_sizes = (c.intermediate_size, c.intermediate_size)
         else:
             self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
             self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)

@@ -25,31 +25,12 @@ from lora_core import (
 )
 from lora_core.adapters import LoRAModuleWeights
 
+from .packing import infer_slice_widths
 from .wrappers import EmbeddingWithLoRA, LinearWithLoRA, LMHeadWithLoRA, LoRAContext
 
 __all__ = ["MultiLoRA"]
 
 Wrapper = LinearWithLoRA | EmbeddingWithLoRA
-
-
-def _infer_slice_widths(name: str, module: nn.Linear, parts: Sequence[str], model: nn.Module) -> list[int]:
-    """Widths of a packed projection: ``output_sizes`` if the module has them, the
-    model config's attention heads for a 3-way qkv, else equal parts."""
-    sizes = getattr(module, "output_sizes", None)
-    if sizes is not None:
-        return list(sizes)
-    config = getattr(model, "config", None)
-    if len(parts) == 3 and config is not None and hasattr(config, "num_attention_heads"):
-        heads = config.num_attention_heads
-        kv = getattr(config, "num_key_value_heads", None) or heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        return [heads * head_dim, kv * head_dim, kv * head_dim]
-    if module.out_features % len(parts):
-        raise ValueError(
-            f"cannot split packed module {name!r} ({module.out_features} outputs) into {parts}: "
-            "pass slice_widths={...} to MultiLoRA"
-        )
-    return [module.out_features // len(parts)] * len(parts)
 
 
 class MultiLoRA:
@@ -122,7 +103,7 @@ class MultiLoRA:
             return LMHeadWithLoRA(module, self.context)
         if last in self.packed_modules:
             parts = self.packed_modules[last]
-            widths = slice_widths.get(last) or _infer_slice_widths(name, module, parts, self.model)
+            widths = slice_widths.get(last) or infer_slice_widths(name, module, parts, self.model)
             return LinearWithLoRA(module, self.context, widths)
         return LinearWithLoRA(module, self.context)
 
