@@ -1,4 +1,4 @@
-"""The backend ABC: every method abstract (SPEC §1 bug 2), and the entry-point registry."""
+"""The backend ABC: every method abstract (docs/upstream-failures.md, failure 2), and the entry-point registry."""
 
 import inspect
 
@@ -6,8 +6,8 @@ import pytest
 
 from lora_core import LoRABackend, available_backends, get_backend
 
-ABSTRACT = {"prepare_batch", "init_graph_batch_info", "run_lora_a", "run_lora_b", "run_qkv", "run_gate_up",
-            "run_lora_a_embedding"}
+ABSTRACT = {"batch_info", "prepare_batch", "init_graph_batch_info", "run_lora_a", "run_lora_b", "run_qkv",
+            "run_gate_up", "run_lm_head", "run_lora_a_embedding", "run_added_tokens"}
 
 
 def test_every_backend_method_is_abstract():

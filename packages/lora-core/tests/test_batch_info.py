@@ -1,4 +1,4 @@
-"""build_batch_info: segments, host plans, graph-mode refill, lm_head view, bad input."""
+"""build_batch_info: segments, graph-mode refill, lm_head view, bad input."""
 
 import pytest
 import torch
@@ -14,24 +14,10 @@ def test_adjacent_requests_on_one_slot_merge_and_empty_requests_vanish(device):
     assert info.weight_indices.tolist() == [0, 1, -1]
     assert info.token_slots.tolist() == [0, 0, 0, 0, 0, 1, -1]
     assert info.num_tokens == 7 and info.max_len == 5 and info.num_segments == 3
-    assert [(g.slot, g.start, g.end, g.rank, g.scaling) for g in info.segments] == [(0, 0, 5, 2, 1.0), (1, 5, 6, 3, 2.0)]
     assert info.seg_lens.device.type == device.torch_device.type
     # host mirrors are CPU tensors distinct from the device tensors
     assert info.seg_lens_cpu.device.type == "cpu" and info.seg_lens_cpu is not info.seg_lens
     assert info.scalings.dtype == torch.float32 and info.lora_ranks.dtype == torch.int32
-
-
-def test_slot_groups_gather_each_active_slot_once():
-    info = build_batch_info([1, 1, 1, 1, 1], [1, 0, 1, None, 2], [4, 4, 0], [1.0, 1.0, 1.0], device="cpu")
-    # slot 2 has rank 0: no group; slot -1: no group
-    assert [(g.slot, g.start, g.end) for g in info.slot_groups] == [(0, 0, 1), (1, 1, 3)]
-    assert info.token_perm.tolist() == [1, 0, 2]
-    assert info.prefers_slot_groups  # 3 single-token segments, 2 slots
-
-
-def test_long_segments_prefer_the_segment_loop():
-    info = build_batch_info([100, 100, 100], [0, 1, 0], [4, 4], [1.0, 1.0], device="cpu")
-    assert not info.prefers_slot_groups
 
 
 def test_graph_refill_keeps_tensor_identity_and_pads_with_slot_minus_one(device):

@@ -1,5 +1,5 @@
 """lora-core: batch info, buffer layout, reference math and the backend interface
-for serving many LoRA adapters in one batch (see SPEC §3-§4)."""
+for serving many LoRA adapters in one batch (docs/architecture.md, docs/layout.md)."""
 
 from .adapters import (
     AdapterFormatError,
@@ -10,22 +10,22 @@ from .adapters import (
     save_peft_adapter,
 )
 from .backend import BatchInfoBackend, LoRABackend, available_backends, get_backend
-from .batch_info import BatchInfo, TokenGroup, build_batch_info
+from .batch_info import BatchInfo, build_batch_info
 from .graphs import is_capturing
 from .layout import AdapterSlots, EmbeddingLoRABuffers, LinearLoRABuffers, slice_offsets_from_widths
-from .validation import strict_token_ids
+from .plans import BatchPlan
 
 __all__ = [
     "AdapterFormatError",
     "AdapterSlots",
     "BatchInfo",
     "BatchInfoBackend",
+    "BatchPlan",
     "EmbeddingLoRABuffers",
     "LinearLoRABuffers",
     "LoRABackend",
     "LoRAModuleWeights",
     "PeftAdapter",
-    "TokenGroup",
     "available_backends",
     "build_batch_info",
     "get_backend",
@@ -34,5 +34,14 @@ __all__ = [
     "peft_scaling",
     "save_peft_adapter",
     "slice_offsets_from_widths",
-    "strict_token_ids",
 ]
+
+
+def __getattr__(name: str):
+    if name == "strict_token_ids":
+        raise AttributeError(
+            "lora_core.strict_token_ids() was a process-wide switch and has been removed: pass "
+            "strict_token_ids=True to the backend (get_backend(name)(device, strict_token_ids=True)), "
+            "to MultiLoRA, or to the embedding op"
+        )
+    raise AttributeError(f"module 'lora_core' has no attribute {name!r}")

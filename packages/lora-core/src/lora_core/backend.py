@@ -1,4 +1,4 @@
-"""The backend interface every LoRA backend implements, and the registry that finds them (SPEC §4).
+"""The backend interface every LoRA backend implements, and the registry that finds them.
 
 Every method is abstract: a backend that forgets one cannot be instantiated, so
 the upstream failure mode (a base-class method silently returning ``None`` and a
@@ -14,7 +14,9 @@ from typing import Sequence
 
 import torch
 
-from .batch_info import BatchInfo
+from .batch_info import BatchInfo, build_batch_info
+from .plans import BatchPlan
+from .validation import check_added_token_inputs
 
 __all__ = ["LoRABackend", "BatchInfoBackend", "get_backend", "available_backends", "ENTRY_POINT_GROUP"]
 
@@ -26,15 +28,32 @@ SliceOffsets = Sequence[int] | torch.Tensor
 class LoRABackend(abc.ABC):
     """Runs the LoRA ops of one forward pass for the batch given to :meth:`prepare_batch`.
 
-    Shapes: ``T`` tokens, ``L`` slots, ``R`` max rank, ``c`` slices; weights use
-    the layout of :mod:`lora_core.layout`. Every ``run_*`` result is in ``x``'s dtype.
+    The backend is the one holder of the current batch: wrappers and the
+    ``MultiLoRA`` API read it from :attr:`batch_info` and change it only through
+    :meth:`prepare_batch`.
+
+    Notation: ``T`` tokens (rows), ``L`` slots, ``R`` max rank, ``c`` slices;
+    ``slot_t``, ``r_t`` and ``s_t`` are token ``t``'s slot, the slot's rank and
+    scaling; ``o_i`` the slice offsets. Weights use the layout of
+    docs/layout.md. Tokens of slot -1 and slots of rank 0 get a zero delta, and
+    nothing beyond a slot's rank in A or B is ever read. Every ``run_*`` result
+    is in the dtype of its input activations.
     """
 
     name: str
 
+    @property
+    @abc.abstractmethod
+    def batch_info(self) -> BatchInfo:
+        """The batch given to the last :meth:`prepare_batch` (``RuntimeError`` before one)."""
+
     @abc.abstractmethod
     def prepare_batch(self, batch_info: BatchInfo) -> None:
-        """Use ``batch_info`` for every ``run_*`` call until the next ``prepare_batch``."""
+        """Use ``batch_info`` for every ``run_*`` call until the next ``prepare_batch``.
+
+        Semantics: builds every plan this backend's kernels will read for the
+        batch (its LM-head view included), so that nothing is planned during a
+        graph capture; a graph-mode batch refilled in place needs no new call."""
 
     @abc.abstractmethod
     def init_graph_batch_info(
@@ -45,7 +64,14 @@ class LoRABackend(abc.ABC):
 
     @abc.abstractmethod
     def run_lora_a(self, x: torch.Tensor, weights: torch.Tensor, num_slices: int = 1) -> torch.Tensor:
-        """Scaled shrink: ``x (T, in)``, ``weights (L, c*R, in)`` -> ``(T, c*R)``."""
+        """Scaled shrink: ``x (T, in)``, ``weights (L, c*R, in)`` -> ``(T, c*R)``.
+
+        Semantics::
+
+            for t, i in tokens, slices:
+                out[t, i*R : i*R + r_t] = s_t * x[t] @ weights[slot_t, i*R : i*R + r_t].T
+                out[t, i*R + r_t : (i+1)*R] = 0
+        """
 
     @abc.abstractmethod
     def run_lora_b(
@@ -56,7 +82,14 @@ class LoRABackend(abc.ABC):
         base_output: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Expand: ``x (T, c*R)``, ``weights (L, out_total, R)`` -> ``(T, out_total)``,
-        accumulated into ``base_output`` in place when given (and returned)."""
+        accumulated into ``base_output`` in place when given (and returned).
+
+        Semantics::
+
+            out = base_output if base_output is not None else zeros(T, out_total)
+            for t, i in tokens, slices:
+                out[t, o_i : o_{i+1}] += x[t, i*R : i*R + r_t] @ weights[slot_t, o_i : o_{i+1}, :r_t].T
+        """
 
     @abc.abstractmethod
     def run_qkv(
@@ -67,7 +100,9 @@ class LoRABackend(abc.ABC):
         slice_offsets: SliceOffsets,
         base_output: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Packed q/k/v: ``a_weights (L, 3R, in)``, ``b_weights (L, q+k+v, R)``."""
+        """Packed q/k/v: ``a_weights (L, 3R, in)``, ``b_weights (L, q+k+v, R)``.
+
+        Semantics: ``run_lora_b(run_lora_a(x, a_weights, 3), b_weights, slice_offsets, base_output)``."""
 
     @abc.abstractmethod
     def run_gate_up(
@@ -78,7 +113,25 @@ class LoRABackend(abc.ABC):
         slice_offsets: SliceOffsets,
         base_output: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Packed gate/up: ``a_weights (L, 2R, in)``, ``b_weights (L, gate+up, R)``."""
+        """Packed gate/up: ``a_weights (L, 2R, in)``, ``b_weights (L, gate+up, R)``.
+
+        Semantics: ``run_lora_b(run_lora_a(x, a_weights, 2), b_weights, slice_offsets, base_output)``."""
+
+    @abc.abstractmethod
+    def run_lm_head(
+        self,
+        x: torch.Tensor,
+        a_weights: torch.Tensor,
+        b_weights: torch.Tensor,
+        base_output: torch.Tensor | None = None,
+        *,
+        pruned: bool,
+    ) -> torch.Tensor:
+        """LM head: ``x (rows, H)``, ``a_weights (L, R, H)``, ``b_weights (L, V, R)`` -> ``(rows, V)``.
+
+        Semantics: shrink and expand (one slice) over the batch's LM-head view:
+        ``rows`` are every token when ``pruned`` is false, else the last token of
+        each non-empty request in request order (``batch_info.lm_head_view(pruned)``)."""
 
     @abc.abstractmethod
     def run_lora_a_embedding(
@@ -90,8 +143,34 @@ class LoRABackend(abc.ABC):
     ) -> torch.Tensor:
         """Embedding shrink: ``ids (T,)`` int, ``weights (L, R, V_total)`` -> ``(T, R)``.
 
-        Ids outside ``[0, vocab_size + added)`` (``added = extra_embeddings.shape[1]``)
-        get a zero delta."""
+        Semantics (``added = extra_embeddings.shape[1]``, or 0)::
+
+            for t in tokens:
+                if 0 <= ids[t] < vocab_size + added:
+                    out[t, :r_t] = s_t * weights[slot_t, :r_t, ids[t]]
+                else:
+                    out[t, :] = 0    # out of vocabulary: never a clamped neighbour's row
+        """
+
+    @abc.abstractmethod
+    def run_added_tokens(
+        self,
+        ids: torch.Tensor,
+        extra_embeddings: torch.Tensor,
+        vocab_size: int,
+        base_output: torch.Tensor,
+        scale: float | torch.Tensor = 1.0,
+    ) -> torch.Tensor:
+        """Base rows of adapter-added tokens: ``ids (T,)`` int, ``extra_embeddings (L, added, D)``,
+        ``base_output (T, D)`` updated in place and returned; ``scale`` is the base
+        embedding's own scale (Gemma-style ``embed_scale``).
+
+        Semantics::
+
+            for t in tokens:
+                if slot_t >= 0 and vocab_size <= ids[t] < vocab_size + added:
+                    base_output[t] = scale * extra_embeddings[slot_t, ids[t] - vocab_size]
+        """
 
 
 def _backend_entry_points() -> dict:
@@ -116,43 +195,94 @@ def get_backend(name: str) -> type[LoRABackend]:
 
 
 class BatchInfoBackend(LoRABackend):
-    """Shared plumbing for backends whose ops take the prepared :class:`BatchInfo`.
+    """Shared plumbing for backends whose kernels take the batch info explicitly.
 
-    Implements batch preparation, graph batch-info allocation on ``self.device``
-    and the packed layers (qkv: 3 slices, gate_up: 2) as a shrink followed by an
-    expand; subclasses implement ``run_lora_a``, ``run_lora_b`` and
-    ``run_lora_a_embedding`` (still abstract here).
+    Holds the current batch and builds the kernels' plans in :meth:`prepare_batch`;
+    implements every ``run_*`` method, the packed layers (qkv: 3 slices, gate_up: 2)
+    and the LM head as a shrink followed by an expand, and the added-token rows.
+    Subclasses implement :meth:`plan_types`, :meth:`shrink`, :meth:`expand` and
+    :meth:`embedding_shrink` (still abstract here).
+
+    Args:
+        device: where batches and weights live.
+        strict_token_ids: out-of-vocabulary ids raise ``ValueError`` naming their
+            positions instead of getting a zero delta (eager calls only: the check
+            reads ids back, so it is skipped while a graph is captured).
     """
 
-    def __init__(self, device: torch.device | str = "cpu") -> None:
+    def __init__(self, device: torch.device | str = "cpu", *, strict_token_ids: bool = False) -> None:
         self.device = torch.device(device)
+        self.strict_token_ids = bool(strict_token_ids)
         self._batch_info: BatchInfo | None = None
 
     @property
     def batch_info(self) -> BatchInfo:
         if self._batch_info is None:
-            raise RuntimeError(f"{type(self).__name__}: call prepare_batch() before running LoRA ops")
+            raise RuntimeError(
+                f"{type(self).__name__}: no batch is prepared; call MultiLoRA.set_batch(seq_lens, adapters) "
+                "or backend.prepare_batch(batch_info) before running LoRA ops"
+            )
         return self._batch_info
 
     def prepare_batch(self, batch_info: BatchInfo) -> None:
         if not isinstance(batch_info, BatchInfo):
             raise TypeError(f"batch_info must be a lora_core.BatchInfo, got {type(batch_info).__name__}")
+        for plan_type in self.plan_types(batch_info):
+            batch_info.plan(plan_type)  # the pruned LM-head view gets the same plans
         self._batch_info = batch_info
+
+    @abc.abstractmethod
+    def plan_types(self, batch_info: BatchInfo) -> Sequence[type[BatchPlan]]:
+        """The plans this backend's kernels read for ``batch_info`` (built by :meth:`prepare_batch`)."""
+
+    @abc.abstractmethod
+    def shrink(self, x: torch.Tensor, weights: torch.Tensor, batch_info: BatchInfo, num_slices: int) -> torch.Tensor:
+        """:meth:`run_lora_a` for an explicit batch."""
+
+    @abc.abstractmethod
+    def expand(self, x: torch.Tensor, weights: torch.Tensor, batch_info: BatchInfo, slice_offsets: SliceOffsets,
+               base_output: torch.Tensor | None) -> torch.Tensor:
+        """:meth:`run_lora_b` for an explicit batch."""
+
+    @abc.abstractmethod
+    def embedding_shrink(self, ids: torch.Tensor, weights: torch.Tensor, batch_info: BatchInfo, vocab_size: int,
+                         extra_embeddings: torch.Tensor | None) -> torch.Tensor:
+        """:meth:`run_lora_a_embedding` for an explicit batch."""
 
     def init_graph_batch_info(
         self, max_tokens: int, lora_ranks: Sequence[int], scalings: Sequence[float]
     ) -> BatchInfo:
-        from .batch_info import build_batch_info
-
         return build_batch_info(
             [max_tokens], [None], lora_ranks, scalings, device=self.device, use_graph=True, max_tokens=max_tokens
         )
+
+    def run_lora_a(self, x: torch.Tensor, weights: torch.Tensor, num_slices: int = 1) -> torch.Tensor:
+        return self.shrink(x, weights, self.batch_info, num_slices)
+
+    def run_lora_b(self, x, weights, slice_offsets, base_output=None) -> torch.Tensor:
+        return self.expand(x, weights, self.batch_info, slice_offsets, base_output)
 
     def run_qkv(self, x, a_weights, b_weights, slice_offsets, base_output=None) -> torch.Tensor:
         return self._run_packed("run_qkv", 3, x, a_weights, b_weights, slice_offsets, base_output)
 
     def run_gate_up(self, x, a_weights, b_weights, slice_offsets, base_output=None) -> torch.Tensor:
         return self._run_packed("run_gate_up", 2, x, a_weights, b_weights, slice_offsets, base_output)
+
+    def run_lm_head(self, x, a_weights, b_weights, base_output=None, *, pruned: bool) -> torch.Tensor:
+        view = self.batch_info.lm_head_view(pruned)
+        shrunk = self.shrink(x, a_weights, view, 1)
+        return self.expand(shrunk, b_weights, view, (0, b_weights.shape[1]), base_output)
+
+    def run_lora_a_embedding(self, ids, weights, vocab_size, extra_embeddings=None) -> torch.Tensor:
+        return self.embedding_shrink(ids, weights, self.batch_info, vocab_size, extra_embeddings)
+
+    def run_added_tokens(self, ids, extra_embeddings, vocab_size, base_output, scale=1.0) -> torch.Tensor:
+        check_added_token_inputs(ids, extra_embeddings, self.batch_info, vocab_size, base_output)
+        slots = self.batch_info.token_slots[: ids.shape[0]]
+        added = ids - vocab_size
+        is_added = (added >= 0) & (added < extra_embeddings.shape[1]) & (slots >= 0)
+        rows = extra_embeddings[slots.clamp(min=0).long(), torch.where(is_added, added, 0).long()]  # (T, D)
+        return base_output.copy_(torch.where(is_added[:, None], rows * scale, base_output))
 
     def _run_packed(self, op, num_slices, x, a_weights, b_weights, slice_offsets, base_output):
         if len(slice_offsets) != num_slices + 1:

@@ -1,4 +1,4 @@
-"""The one buffer layout for stacked LoRA weights (SPEC §3), and slot bookkeeping.
+"""The one buffer layout for stacked LoRA weights (docs/layout.md), and slot bookkeeping.
 
 Linear layer with ``c`` slices (1 plain, 2 gate_up, 3 qkv), ``L`` slots, max rank ``R``:
 
@@ -21,27 +21,26 @@ from typing import Sequence
 
 import torch
 
+from .checks import check_int, is_int
+
 __all__ = ["LinearLoRABuffers", "EmbeddingLoRABuffers", "AdapterSlots", "slice_offsets_from_widths"]
 
 
-def slice_offsets_from_widths(widths: Sequence[int]) -> tuple[int, ...]:
-    """``[w0, w1, ...]`` -> ``(0, w0, w0+w1, ..., out_total)``."""
+def slice_offsets_from_widths(widths: Sequence[int], *, name: str = "slice_widths") -> tuple[int, ...]:
+    """``[w0, w1, ...]`` -> ``(0, w0, w0+w1, ..., out_total)``: the one place slice offsets are derived."""
     offsets = [0]
     for i, w in enumerate(widths):
-        if isinstance(w, bool) or not isinstance(w, int) or w <= 0:
-            raise ValueError(f"slice_widths[{i}] must be a positive int, got {w!r}")
-        offsets.append(offsets[-1] + w)
+        offsets.append(offsets[-1] + check_int(f"{name}[{i}]", w, minimum=1))
     return tuple(offsets)
 
 
 def _check_slot(slot: int, num_slots: int) -> None:
-    if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < num_slots:
+    if not is_int(slot) or not 0 <= slot < num_slots:
         raise ValueError(f"slot must be an int in [0, {num_slots}), got {slot!r}")
 
 
 def _check_positive(name: str, value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    check_int(name, value, minimum=1)
 
 
 def _check_matrix(name: str, tensor: torch.Tensor, rows: int | None, cols: int | None, max_rank: int,
@@ -163,8 +162,7 @@ class EmbeddingLoRABuffers:
         _check_positive("max_rank", max_rank)
         _check_positive("vocab_size", vocab_size)
         _check_positive("embedding_dim", embedding_dim)
-        if isinstance(num_added_tokens, bool) or not isinstance(num_added_tokens, int) or num_added_tokens < 0:
-            raise ValueError(f"num_added_tokens must be an int >= 0, got {num_added_tokens!r}")
+        check_int("num_added_tokens", num_added_tokens, minimum=0)
         self.num_slots = num_slots
         self.max_rank = max_rank
         self.vocab_size = vocab_size
@@ -258,7 +256,7 @@ class AdapterSlots:
             raise ValueError(f"adapter name must be a non-empty str, got {name!r}")
         if name in self._names:
             raise ValueError(f"adapter {name!r} is already loaded in slot {self._names.index(name)}")
-        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 < rank <= self.max_rank:
+        if not is_int(rank) or not 0 < rank <= self.max_rank:
             raise ValueError(f"adapter {name!r} has rank {rank!r}; expected 1 <= rank <= max_rank = {self.max_rank}")
         try:
             slot = self._names.index(None)

@@ -1,6 +1,6 @@
 """Reference LoRA math in fp32 on the host: the oracle every op is tested against.
 
-Written for clarity, not speed (SPEC §3, PEFT's math)::
+Written for clarity, not speed (docs/layout.md, PEFT's math)::
 
     shrink:  y[t, i*R : i*R + r] = scaling_l * A_l[i*R : i*R + r] @ x[t]
     expand:  delta[t, o_i : o_{i+1}] = B_l[o_i : o_{i+1}, :r] @ y[t, i*R : i*R + r]
@@ -21,6 +21,7 @@ import torch
 
 from .batch_info import BatchInfo
 from .layout import slice_offsets_from_widths
+from .validation import normalize_slice_offsets
 
 __all__ = [
     "reference_lora_a",
@@ -48,12 +49,6 @@ def _f32(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to(device="cpu", dtype=torch.float32)
 
 
-def _offsets(slice_offsets: Sequence[int] | torch.Tensor) -> list[int]:
-    if isinstance(slice_offsets, torch.Tensor):
-        return [int(v) for v in slice_offsets.tolist()]
-    return [int(v) for v in slice_offsets]
-
-
 def reference_lora_a(x: torch.Tensor, a: torch.Tensor, batch_info: BatchInfo, num_slices: int = 1) -> torch.Tensor:
     """Scaled shrink. ``x: (T, in)``, ``a: (L, c*R, in)`` -> ``(T, c*R)`` fp32."""
     xf, af = _f32(x), _f32(a)
@@ -72,7 +67,7 @@ def reference_lora_b(
 ) -> torch.Tensor:
     """Expand (no base). ``y: (T, c*R)``, ``b: (L, out_total, R)`` -> delta ``(T, out_total)`` fp32."""
     yf, bf = _f32(y), _f32(b)
-    offsets = _offsets(slice_offsets)
+    offsets = normalize_slice_offsets(slice_offsets)
     R = b.shape[2]
     out = torch.zeros(y.shape[0], b.shape[1])
     for slot, idx in tokens_by_slot(batch_info, y.shape[0]).items():
@@ -117,7 +112,7 @@ def reference_linear(
     ``x: (T, in)``, ``weight: (out_total, in)``, ``a: (L, c*R, in)``,
     ``b: (L, out_total, R)``; ``slice_offsets`` defaults to one slice.
     """
-    offsets = _offsets(slice_offsets) if slice_offsets is not None else slice_offsets_from_widths([b.shape[1]])
+    offsets = normalize_slice_offsets(slice_offsets) if slice_offsets is not None else slice_offsets_from_widths([b.shape[1]])
     base = _f32(x) @ _f32(weight).T
     if bias is not None:
         base = base + _f32(bias)

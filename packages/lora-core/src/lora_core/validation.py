@@ -2,55 +2,37 @@
 
 All checks read metadata only (shapes, dtypes, devices, host-side batch data):
 none of them synchronises the device, so backends run them on every call.
-The one exception is the opt-in strict token-id mode (:func:`strict_token_ids`),
-which inspects id values and therefore reads them back; it is skipped while a
-graph is being captured.
+The one exception is :func:`check_token_ids`, which inspects id values and
+therefore reads them back: backends call it only when their
+``strict_token_ids`` option is on, and it is skipped while a graph is captured.
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
-from typing import Iterator, Sequence
+from typing import Sequence
 
 import torch
 
 from .batch_info import BatchInfo
+from .checks import check_int, is_int
 from .graphs import is_capturing
+from .layout import slice_offsets_from_widths
 
 __all__ = [
     "check_lora_a_inputs",
     "check_lora_b_inputs",
     "check_embedding_inputs",
+    "check_added_token_inputs",
     "check_num_tokens",
     "normalize_slice_offsets",
     "check_token_ids",
-    "strict_token_ids",
-    "strict_token_ids_enabled",
 ]
-
-_strict_ids = os.environ.get("LORA_STRICT_TOKEN_IDS", "0") not in ("", "0", "false", "False")
-
-
-def strict_token_ids_enabled() -> bool:
-    return _strict_ids
-
-
-@contextlib.contextmanager
-def strict_token_ids(enabled: bool = True) -> Iterator[None]:
-    """Within the block, out-of-vocabulary ids raise ``ValueError`` instead of getting
-    a zero delta (also enabled process-wide by ``LORA_STRICT_TOKEN_IDS=1``)."""
-    global _strict_ids
-    previous, _strict_ids = _strict_ids, enabled
-    try:
-        yield
-    finally:
-        _strict_ids = previous
 
 
 def check_token_ids(ids: torch.Tensor, num_valid: int, *, max_report: int = 8) -> None:
-    """Strict mode only: raise naming the first positions whose id is outside ``[0, num_valid)``."""
-    if not _strict_ids or is_capturing():
+    """Raise ``ValueError`` naming the first positions whose id is outside ``[0, num_valid)``
+    (reads ids back: call it only in strict mode; a no-op while capturing)."""
+    if is_capturing():
         return
     bad = ((ids < 0) | (ids >= num_valid)).nonzero().flatten()[:max_report].tolist()
     if bad:
@@ -68,6 +50,11 @@ def _check_tensor(name: str, t: object, dim: int) -> torch.Tensor:
     if t.dim() != dim:
         raise ValueError(f"{name} must be {dim}-D, got {_describe(t)}")
     return t
+
+
+def _check_integer_ids(ids: torch.Tensor) -> None:
+    if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+        raise ValueError(f"ids must be an integer tensor, got {ids.dtype}")
 
 
 def _check_same(name: str, t: torch.Tensor, ref_name: str, ref: torch.Tensor) -> None:
@@ -113,8 +100,7 @@ def check_lora_a_inputs(x: torch.Tensor, weights: torch.Tensor, batch_info: Batc
     _check_same("weights", weights, "x", x)
     _check_batch_device(batch_info, x, "x")
     _check_slots(batch_info, weights, "weights")
-    if isinstance(num_slices, bool) or not isinstance(num_slices, int) or num_slices < 1:
-        raise ValueError(f"num_slices must be a positive int, got {num_slices!r}")
+    num_slices = check_int("num_slices", num_slices, minimum=1)
     if weights.shape[1] % num_slices:
         raise ValueError(f"weights dim 1 ({weights.shape[1]}) is not num_slices ({num_slices}) times a rank")
     if weights.shape[2] != x.shape[1]:
@@ -140,12 +126,18 @@ def normalize_slice_offsets(slice_offsets: Sequence[int] | torch.Tensor) -> tupl
             )
         values = slice_offsets.tolist()
     else:
-        values = list(slice_offsets)
-    if len(values) < 2 or values[0] != 0 or any(
-        isinstance(v, bool) or not isinstance(v, int) for v in values
-    ) or any(values[i] >= values[i + 1] for i in range(len(values) - 1)):
-        raise ValueError(f"slice_offsets must be increasing ints starting at 0, like [0, o1, ..., out], got {values}")
-    return tuple(values)
+        try:
+            values = list(slice_offsets)
+        except TypeError:
+            values = None
+    if not values or values[0] != 0 or not all(is_int(v) for v in values):
+        raise ValueError(f"slice_offsets must be increasing ints starting at 0, like [0, o1, ..., out], "
+                         f"got {slice_offsets!r}")
+    try:
+        return slice_offsets_from_widths([int(b) - int(a) for a, b in zip(values, values[1:])], name="slice_offsets")
+    except ValueError:
+        raise ValueError(f"slice_offsets must be increasing ints starting at 0, like [0, o1, ..., out], "
+                         f"got {values}") from None
 
 
 def check_lora_b_inputs(
@@ -194,14 +186,12 @@ def check_embedding_inputs(
     returns the number of valid ids ``vocab_size + added``."""
     _check_tensor("ids", ids, 1)
     _check_tensor("weights", weights, 3)
-    if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
-        raise ValueError(f"ids must be an integer tensor, got {ids.dtype}")
+    _check_integer_ids(ids)
     if ids.device != weights.device:
         raise ValueError(f"ids is on {ids.device} but weights is on {weights.device}")
     _check_batch_device(batch_info, ids, "ids")
     _check_slots(batch_info, weights, "weights")
-    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size <= 0:
-        raise ValueError(f"vocab_size must be a positive int, got {vocab_size!r}")
+    vocab_size = check_int("vocab_size", vocab_size, minimum=1)
     added = 0
     if extra_embeddings is not None:
         _check_tensor("extra_embeddings", extra_embeddings, 3)
@@ -215,3 +205,25 @@ def check_embedding_inputs(
     _check_ranks(batch_info, weights.shape[1])
     check_num_tokens(batch_info, ids.shape[0], "ids")
     return vocab_size + added
+
+
+def check_added_token_inputs(
+    ids: torch.Tensor,
+    extra_embeddings: torch.Tensor,
+    batch_info: BatchInfo,
+    vocab_size: int,
+    base_output: torch.Tensor,
+) -> None:
+    """``ids (T,)`` integer, ``extra_embeddings (L, added, D)``, ``base_output (T, D)``."""
+    _check_tensor("ids", ids, 1)
+    _check_integer_ids(ids)
+    _check_tensor("extra_embeddings", extra_embeddings, 3)
+    _check_tensor("base_output", base_output, 2)
+    _check_same("extra_embeddings", extra_embeddings, "base_output", base_output)
+    _check_batch_device(batch_info, ids, "ids")
+    _check_slots(batch_info, extra_embeddings, "extra_embeddings")
+    check_int("vocab_size", vocab_size, minimum=1)
+    if tuple(base_output.shape) != (ids.shape[0], extra_embeddings.shape[2]):
+        raise ValueError(f"base_output must have shape {(ids.shape[0], extra_embeddings.shape[2])}, "
+                         f"got {_describe(base_output)}")
+    check_num_tokens(batch_info, ids.shape[0], "ids")

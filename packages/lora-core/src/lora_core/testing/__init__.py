@@ -1,5 +1,5 @@
 """Test support for LoRA ops on every device: the device harness, the CPU graph
-simulator, the launch counter and shared random cases (SPEC §5)."""
+simulator, the launch counter and shared random cases (docs/graph-simulator.md)."""
 
 from ..graphs import is_capturing
 from .cases import (
@@ -8,6 +8,7 @@ from .cases import (
     BatchPair,
     random_batch_pair,
     assert_close_to_reference,
+    default_scalings,
     fill_embedding_garbage,
     fill_linear_garbage,
     make_batch_info,
@@ -16,7 +17,16 @@ from .cases import (
     random_ranks,
     random_requests,
 )
-from .devices import DEVICE_NAMES, DeviceProbe, TestDevice, clone_outputs, make_device, probe_device
+from .devices import (
+    DEVICE_NAMES,
+    DEVICE_TYPES,
+    DeviceProbe,
+    DeviceType,
+    TestDevice,
+    clone_outputs,
+    make_device,
+    probe_device,
+)
 from .graphsim import CaptureError, GraphSimulator
 from .launches import LaunchCount, count_launches
 from .rules import Violation
@@ -26,6 +36,8 @@ __all__ = [
     "random_batch_pair",
     "CaptureError",
     "DEVICE_NAMES",
+    "DEVICE_TYPES",
+    "DeviceType",
     "DeviceProbe",
     "GARBAGE",
     "GraphSimulator",
@@ -34,6 +46,7 @@ __all__ = [
     "TestDevice",
     "Violation",
     "assert_close_to_reference",
+    "default_scalings",
     "clone_outputs",
     "count_launches",
     "fill_embedding_garbage",

@@ -26,6 +26,7 @@ __all__ = [
     "fill_embedding_garbage",
     "random_linear_weights",
     "random_embedding_weights",
+    "default_scalings",
     "make_batch_info",
     "BatchPair",
     "random_batch_pair",
@@ -39,11 +40,11 @@ TOLERANCES = {
     torch.float16: (5e-3, 5e-3),
     torch.bfloat16: (3e-2, 2e-2),
 }
-"""(rtol, atol) against the fp32 reference, per dtype (SPEC §6)."""
+"""(rtol, atol) against the fp32 reference, per dtype (docs/testing.md)."""
 
 
 def assert_close_to_reference(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype | None = None) -> None:
-    """Compare an op's output with fp32 reference math at SPEC §6 tolerances for ``dtype``
+    """Compare an op's output with fp32 reference math at the :data:`TOLERANCES` of ``dtype``
     (``actual``'s by default)."""
     dtype = dtype or actual.dtype
     rtol, atol = TOLERANCES[dtype]
@@ -134,6 +135,11 @@ def random_embedding_weights(
     return a.to(device=device, dtype=dtype), b.to(device=device, dtype=dtype)
 
 
+def default_scalings(num_slots: int) -> list[float]:
+    """Distinct per-slot scalings for tests: ``0.5 + 0.25 * slot``."""
+    return [0.5 + 0.25 * s for s in range(num_slots)]
+
+
 def make_batch_info(
     seq_lens: Sequence[int],
     slot_ids: Sequence[int | None],
@@ -145,7 +151,7 @@ def make_batch_info(
 ) -> BatchInfo:
     """A batch info with distinct per-slot scalings (``0.5 + 0.25 * slot`` by default);
     in graph mode its capacity is exactly ``sum(seq_lens)``."""
-    scalings = list(scalings) if scalings is not None else [0.5 + 0.25 * s for s in range(len(lora_ranks))]
+    scalings = list(scalings) if scalings is not None else default_scalings(len(lora_ranks))
     total = sum(seq_lens)
     return build_batch_info(
         seq_lens, slot_ids, lora_ranks, scalings, device=device, use_graph=use_graph,
@@ -173,7 +179,7 @@ class BatchPair:
         if sum(batch_a[0]) != sum(batch_b[0]):
             raise ValueError(f"batches must have the same token count, got {sum(batch_a[0])} and {sum(batch_b[0])}")
         self.lora_ranks = list(lora_ranks)
-        self.scalings = list(scalings) if scalings is not None else [0.5 + 0.25 * s for s in range(len(lora_ranks))]
+        self.scalings = list(scalings) if scalings is not None else default_scalings(len(lora_ranks))
         self.batch_a, self.batch_b = batch_a, batch_b
 
     @property

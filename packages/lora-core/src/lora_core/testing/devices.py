@@ -1,13 +1,15 @@
-"""The device matrix tests run on, and the one way tests run code on a device (SPEC §5).
+"""The device matrix tests run on, and the one way tests run code on a device.
 
-Devices: ``cpu``, ``cpu-graphsim`` (graph capture simulated on CPU), ``cuda``,
-``cuda-graph`` (real ``torch.cuda.CUDAGraph``), ``npu`` (eager, via torch_npu).
+One small class per device kind, in one list (:data:`DEVICE_TYPES`), after
+PyTorch's ``common_device_type``: each says which torch device it uses, how to
+probe for it, and (for graph kinds) how to capture and replay. Adding a device
+is adding a class to the list (docs/adding-a-backend.md).
+
 Probes never raise and never initialise CUDA: they only ask whether a device is
-visible.
-
-Tests call ``device.run(fn, *inputs)`` (eager, or captured and replayed), or
-``device.run_two_batches(fn, inputs, refill)`` for the capture-with-batch-A,
-refill-with-batch-B, replay pattern that catches stale host data.
+visible. Tests call ``device.run(fn, *inputs)`` (eager, or captured and
+replayed), or ``device.run_two_batches(fn, inputs, refill)`` for the
+capture-with-batch-A, refill-with-batch-B, replay pattern that catches stale
+host data (docs/graph-simulator.md).
 """
 
 from __future__ import annotations
@@ -24,14 +26,16 @@ from .graphsim import GraphSimulator
 
 __all__ = [
     "DEVICE_NAMES",
+    "DEVICE_TYPES",
     "DeviceProbe",
+    "DeviceType",
     "TestDevice",
     "probe_device",
     "make_device",
     "clone_outputs",
 ]
 
-DEVICE_NAMES = ("cpu", "cpu-graphsim", "cuda", "cuda-graph", "npu")
+Replay = Callable[[], None]
 
 
 @dataclass(frozen=True)
@@ -43,47 +47,169 @@ class DeviceProbe:
     reason: str
 
 
-def _probe_cuda(name: str) -> DeviceProbe:
-    if torch.version.cuda is None:
-        return DeviceProbe(name, False, f"torch {torch.__version__} is built without CUDA")
+class DeviceType:
+    """One device parameter: its name, its torch device type and how to probe it.
+
+    Graph kinds (``is_graph``) also implement :meth:`capture`.
+    """
+
+    name: str
+    torch_device: str
+    is_graph: bool = False
+
+    def probe(self) -> DeviceProbe:
+        raise NotImplementedError
+
+    def capture(self, fn: Callable[..., Any], *inputs: Any) -> tuple[Any, Replay]:
+        """Capture ``fn(*inputs)``; returns its static outputs and a replay function."""
+        raise RuntimeError(f"{self.name} is not a graph device")
+
+    def _probe(self, available: bool, reason: str) -> DeviceProbe:
+        return DeviceProbe(self.name, available, reason)
+
+
+class CpuDevice(DeviceType):
+    """Eager on CPU."""
+
+    name, torch_device = "cpu", "cpu"
+
+    def probe(self) -> DeviceProbe:
+        return self._probe(True, f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+
+
+class CpuGraphSimDevice(CpuDevice):
+    """Graph capture simulated on CPU by :class:`~lora_core.testing.GraphSimulator` (strict).
+
+    Like the CUDA harness it runs ``fn`` once before capturing (warm-up), so lazy
+    set-up happens outside the capture, as real graph users do.
+    """
+
+    name, is_graph = "cpu-graphsim", True
+
+    def capture(self, fn: Callable[..., Any], *inputs: Any) -> tuple[Any, Replay]:
+        with torch.no_grad():
+            fn(*inputs)  # warm-up
+        sim = GraphSimulator(strict=True)
+        return sim.capture(fn, *inputs), sim.replay
+
+
+class CudaDevice(DeviceType):
+    """Eager on a CUDA GPU."""
+
+    name, torch_device = "cuda", "cuda"
+
+    def probe(self) -> DeviceProbe:
+        if torch.version.cuda is None:
+            return self._probe(False, f"torch {torch.__version__} is built without CUDA")
+        try:
+            count = torch.cuda.device_count()
+        except Exception as exc:  # a broken driver must not break collection
+            return self._probe(False, f"torch.cuda.device_count() failed: {exc}")
+        if count == 0:
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+            extra = f" (CUDA_VISIBLE_DEVICES={visible!r})" if visible is not None else ""
+            return self._probe(False, f"no CUDA device visible to torch {torch.__version__}{extra}")
+        return self._probe(True, f"{count} CUDA device(s), CUDA {torch.version.cuda}")
+
+
+class CudaGraphDevice(CudaDevice):
+    """Real ``torch.cuda.CUDAGraph`` capture (after a warm-up on a side stream) and replay."""
+
+    name, is_graph = "cuda-graph", True
+
+    def probe(self) -> DeviceProbe:
+        probe = super().probe()
+        if probe.available and not hasattr(torch.cuda, "CUDAGraph"):
+            return self._probe(False, "torch.cuda.CUDAGraph is unavailable in this torch build")
+        return probe
+
+    def capture(self, fn: Callable[..., Any], *inputs: Any) -> tuple[Any, Replay]:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side), torch.no_grad():
+            fn(*inputs)  # warm-up: lazy initialisation and allocator growth happen here
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph), torch.no_grad():
+            out = fn(*inputs)
+
+        def replay() -> None:
+            graph.replay()
+            torch.cuda.synchronize()
+
+        return out, replay
+
+
+class NpuDevice(DeviceType):
+    """Eager on an Ascend NPU through torch_npu."""
+
+    name, torch_device = "npu", "npu"
+
+    def probe(self) -> DeviceProbe:
+        if importlib.util.find_spec("torch_npu") is None:
+            return self._probe(False, "torch_npu is not installed (pip install lora-ascend[npu])")
+        try:
+            import torch_npu  # noqa: F401
+
+            available = torch.npu.is_available()
+            count = torch.npu.device_count() if available else 0
+        except Exception as exc:  # torch_npu without the CANN stack raises on import
+            return self._probe(False, f"torch_npu failed to load (CANN driver stack missing?): {exc}")
+        if not count:
+            return self._probe(False, "torch_npu is installed but sees no NPU")
+        return self._probe(True, f"{count} NPU device(s)")
+
+
+class NpuGraphDevice(NpuDevice):
+    """Real ``torch.npu.NPUGraph`` capture (after a warm-up on a side stream) and replay."""
+
+    name, is_graph = "npu-graph", True
+
+    def probe(self) -> DeviceProbe:
+        probe = super().probe()
+        if probe.available and not (hasattr(torch.npu, "NPUGraph") and hasattr(torch.npu, "graph")):
+            return self._probe(False, "torch.npu.NPUGraph / torch.npu.graph are unavailable in this torch_npu")
+        return probe
+
+    def capture(self, fn: Callable[..., Any], *inputs: Any) -> tuple[Any, Replay]:
+        npu = torch.npu
+        side = npu.Stream()
+        side.wait_stream(npu.current_stream())
+        with npu.stream(side), torch.no_grad():
+            fn(*inputs)  # warm-up
+        npu.current_stream().wait_stream(side)
+        graph = npu.NPUGraph()
+        with npu.graph(graph), torch.no_grad():
+            out = fn(*inputs)
+
+        def replay() -> None:
+            graph.replay()
+            npu.synchronize()
+
+        return out, replay
+
+
+DEVICE_TYPES: tuple[DeviceType, ...] = (
+    CpuDevice(), CpuGraphSimDevice(), CudaDevice(), CudaGraphDevice(), NpuDevice(), NpuGraphDevice(),
+)
+"""Every device parameter, in test order."""
+
+DEVICE_NAMES = tuple(t.name for t in DEVICE_TYPES)
+
+_BY_NAME = {t.name: t for t in DEVICE_TYPES}
+
+
+def _device_type(name: str) -> DeviceType:
     try:
-        count = torch.cuda.device_count()
-    except Exception as exc:  # a broken driver must not break collection
-        return DeviceProbe(name, False, f"torch.cuda.device_count() failed: {exc}")
-    if count == 0:
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        extra = f" (CUDA_VISIBLE_DEVICES={visible!r})" if visible is not None else ""
-        return DeviceProbe(name, False, f"no CUDA device visible to torch {torch.__version__}{extra}")
-    if name == "cuda-graph" and not hasattr(torch.cuda, "CUDAGraph"):
-        return DeviceProbe(name, False, "torch.cuda.CUDAGraph is unavailable in this torch build")
-    return DeviceProbe(name, True, f"{count} CUDA device(s), CUDA {torch.version.cuda}")
-
-
-def _probe_npu(name: str) -> DeviceProbe:
-    if importlib.util.find_spec("torch_npu") is None:
-        return DeviceProbe(name, False, "torch_npu is not installed (pip install lora-ascend[npu])")
-    try:
-        import torch_npu  # noqa: F401
-
-        available = torch.npu.is_available()
-        count = torch.npu.device_count() if available else 0
-    except Exception as exc:  # torch_npu without the CANN stack raises on import
-        return DeviceProbe(name, False, f"torch_npu failed to load (CANN driver stack missing?): {exc}")
-    if not count:
-        return DeviceProbe(name, False, "torch_npu is installed but sees no NPU")
-    return DeviceProbe(name, True, f"{count} NPU device(s)")
+        return _BY_NAME[name]
+    except KeyError:
+        raise ValueError(f"unknown device {name!r}; expected one of {', '.join(DEVICE_NAMES)}") from None
 
 
 @functools.lru_cache(maxsize=None)
 def probe_device(name: str) -> DeviceProbe:
     """Probe one device parameter (cached for the process)."""
-    if name in ("cpu", "cpu-graphsim"):
-        return DeviceProbe(name, True, f"torch {torch.__version__}, {torch.get_num_threads()} threads")
-    if name in ("cuda", "cuda-graph"):
-        return _probe_cuda(name)
-    if name == "npu":
-        return _probe_npu(name)
-    raise ValueError(f"unknown device {name!r}; expected one of {', '.join(DEVICE_NAMES)}")
+    return _device_type(name).probe()
 
 
 def clone_outputs(out: Any) -> Any:
@@ -100,36 +226,19 @@ class TestDevice:
 
     __test__ = False  # not a pytest test class
 
-    def __init__(self, name: str, torch_device: str, is_graph: bool) -> None:
-        self.name = name
-        self.torch_device = torch.device(torch_device)
-        self.is_graph = is_graph
+    def __init__(self, device_type: DeviceType) -> None:
+        self.device_type = device_type
+        self.name = device_type.name
+        self.torch_device = torch.device(device_type.torch_device)
+        self.is_graph = device_type.is_graph
 
     def __repr__(self) -> str:
         return f"TestDevice({self.name!r})"
 
-    def capture(self, fn: Callable[..., Any], *inputs: Any) -> tuple[Any, Callable[[], None]]:
+    def capture(self, fn: Callable[..., Any], *inputs: Any) -> tuple[Any, Replay]:
         """Capture ``fn(*inputs)`` on a graph device; returns its static outputs and a
         replay function that recomputes them in place from the (refilled) inputs."""
-        if self.name == "cpu-graphsim":
-            sim = GraphSimulator(strict=True)
-            return sim.capture(fn, *inputs), sim.replay
-        if self.name == "cuda-graph":
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                fn(*inputs)  # warm-up: lazy initialisation and allocator growth happen here
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                out = fn(*inputs)
-
-            def replay() -> None:
-                graph.replay()
-                torch.cuda.synchronize()
-
-            return out, replay
-        raise RuntimeError(f"{self.name} is not a graph device")
+        return self.device_type.capture(fn, *inputs)
 
     def run(self, fn: Callable[..., Any], *inputs: Any) -> Any:
         """``fn(*inputs)``: called on eager devices; captured and replayed once on graph devices."""
@@ -164,7 +273,4 @@ class TestDevice:
 
 def make_device(name: str) -> TestDevice:
     """The :class:`TestDevice` for a device parameter (probe it first)."""
-    torch_device = {"cpu": "cpu", "cpu-graphsim": "cpu", "cuda": "cuda", "cuda-graph": "cuda", "npu": "npu"}
-    if name not in torch_device:
-        raise ValueError(f"unknown device {name!r}; expected one of {', '.join(DEVICE_NAMES)}")
-    return TestDevice(name, torch_device[name], is_graph=name.endswith(("-graph", "-graphsim")))
+    return TestDevice(_device_type(name))

@@ -1,4 +1,4 @@
-"""A CPU simulation of CUDA-graph capture and replay (SPEC §5).
+"""A CPU simulation of CUDA-graph capture and replay (docs/graph-simulator.md).
 
 ``GraphSimulator.capture(fn, *static_inputs)`` runs ``fn`` once while recording a
 tape of the aten ops it dispatches, over the very tensor objects involved

@@ -1,4 +1,4 @@
-"""A device-independent cost model: what one call dispatches (SPEC §4-§5).
+"""A device-independent cost model: what one call dispatches (docs/graph-simulator.md).
 
 ``count_launches(fn, *inputs)`` runs ``fn`` once and counts the aten ops that
 would launch a kernel (views and other pure metadata ops excluded), the host

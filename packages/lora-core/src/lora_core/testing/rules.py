@@ -1,6 +1,6 @@
 """What breaks under graph capture: host reads, device syncs, data-dependent shapes.
 
-Two interception layers see different things (SPEC §5):
+Two interception layers see different things (docs/graph-simulator.md):
 
 * the torch-function layer sees Tensor methods that never reach the dispatcher
   (``tolist``, ``numpy``, ``cpu``, ``__bool__`` ...);

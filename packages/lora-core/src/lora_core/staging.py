@@ -1,0 +1,94 @@
+"""Host-filled tensors that reach the device in one copy.
+
+A batch description (and each kernel's plan of it) is computed on the host and
+read by ops on the device. :class:`StagedTensors` lays a set of named tensors
+out in one byte buffer on each side, so publishing them is a single
+host-to-device copy, whatever their number and dtypes. The device buffer is
+allocated once: its views keep their identity and addresses, which is what lets
+a captured graph replay on refilled data (docs/graph-rules.md).
+
+With ``double_buffered=True`` (graph-mode batches, which are refilled every
+step) the host side alternates between two staging buffers: the host mirrors of
+the previous batch stay intact while the next one is written, and on CUDA the
+non-blocking copy out of a pinned buffer is waited for before that buffer is
+written again (an event, not a device synchronisation).
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+
+__all__ = ["StagedTensors"]
+
+_ALIGN = 16  # bytes: every field starts on a 16-byte boundary (dtype views, grouped-GEMM offsets)
+
+FieldSpecs = Mapping[str, tuple[tuple[int, ...], torch.dtype]]
+
+
+def _layout(fields: FieldSpecs) -> tuple[dict[str, tuple[int, tuple[int, ...], torch.dtype]], int]:
+    offsets, nbytes = {}, 0
+    for name, (shape, dtype) in fields.items():
+        offsets[name] = (nbytes, tuple(shape), dtype)
+        numel = 1
+        for s in shape:
+            numel *= s
+        nbytes += -(-numel * dtype.itemsize // _ALIGN) * _ALIGN
+    return offsets, max(nbytes, _ALIGN)
+
+
+def _views(buffer: torch.Tensor, layout: dict) -> dict[str, torch.Tensor]:
+    views = {}
+    for name, (offset, shape, dtype) in layout.items():
+        numel = 1
+        for s in shape:
+            numel *= s
+        views[name] = buffer[offset : offset + numel * dtype.itemsize].view(dtype).view(shape)
+    return views
+
+
+class StagedTensors:
+    """Named tensors with a host staging copy and a device copy, published by :meth:`upload`.
+
+    Args:
+        fields: ``name -> (shape, dtype)``.
+        device: where the device copies live.
+        double_buffered: alternate between two host staging buffers (for data
+            rewritten every step); otherwise one.
+
+    Fill :attr:`host` (the staging views for the next upload), then call
+    :meth:`upload`; :attr:`device` holds the device views (fixed for the object's
+    lifetime) and :attr:`published` the host views of the last upload.
+    """
+
+    def __init__(self, fields: FieldSpecs, device: torch.device, *, double_buffered: bool = False) -> None:
+        self._layout, nbytes = _layout(fields)
+        self._pin = device.type == "cuda" and torch.cuda.is_available()
+        count = 2 if double_buffered else 1
+        self._buffers = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=self._pin) for _ in range(count)]
+        self._host_views = [_views(b, self._layout) for b in self._buffers]
+        self._events: list[torch.cuda.Event | None] = [None] * count
+        self._device_buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        self.device: dict[str, torch.Tensor] = _views(self._device_buffer, self._layout)
+        self._next = 0
+        self.published: dict[str, torch.Tensor] = self._host_views[0]
+
+    @property
+    def host(self) -> dict[str, torch.Tensor]:
+        """Staging views to fill before the next :meth:`upload` (safe to write now)."""
+        event = self._events[self._next]
+        if event is not None:
+            event.synchronize()  # the previous copy out of this pinned buffer has finished
+            self._events[self._next] = None
+        return self._host_views[self._next]
+
+    def upload(self) -> None:
+        """Copy the staging buffer to the device in one copy; it becomes :attr:`published`."""
+        self._device_buffer.copy_(self._buffers[self._next], non_blocking=self._pin)
+        if self._pin:
+            event = torch.cuda.Event()
+            event.record()
+            self._events[self._next] = event
+        self.published = self._host_views[self._next]
+        self._next = (self._next + 1) % len(self._buffers)
