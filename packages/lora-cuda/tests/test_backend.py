@@ -61,7 +61,7 @@ def test_init_graph_batch_info_is_refillable():
 
 def test_errors_before_prepare_and_for_wrong_slice_counts():
     backend = TorchNativeBackend()
-    with pytest.raises(RuntimeError, match="call prepare_batch"):
+    with pytest.raises(RuntimeError, match="prepare_batch"):
         backend.run_lora_a(torch.randn(1, 4), torch.randn(1, 2, 4))
     backend.prepare_batch(backend.init_graph_batch_info(4, [2], [1.0]))
     with pytest.raises(ValueError, match="run_qkv needs 3 slices"):

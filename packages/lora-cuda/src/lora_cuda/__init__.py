@@ -7,26 +7,42 @@ from .control_ops import (
     sgemm_lora_a_embedding_control_fwd,
     sgemm_lora_b_control_fwd,
 )
+from .control_plan import ControlPlan, TokenGroup
 from .graph_ops import (
+    GRAPH_KERNELS,
     graph_kernel,
-    use_graph_kernel,
+    graph_plan_types,
     sgemm_lora_a_embedding_graph_fwd,
     sgemm_lora_a_graph_fwd,
     sgemm_lora_b_graph_fwd,
 )
+from .graph_plans import BlockPlan, SortedPlan
 from .ops import sgemm_lora_a_embedding_fwd, sgemm_lora_a_fwd, sgemm_lora_b_fwd
 
 __all__ = [
+    "GRAPH_KERNELS",
+    "BlockPlan",
+    "ControlPlan",
+    "SortedPlan",
+    "TokenGroup",
     "TorchNativeBackend",
     "graph_kernel",
-    "use_graph_kernel",
+    "graph_plan_types",
     "sgemm_lora_a_control_fwd",
     "sgemm_lora_a_embedding_control_fwd",
     "sgemm_lora_a_embedding_fwd",
     "sgemm_lora_a_embedding_graph_fwd",
     "sgemm_lora_a_fwd",
-    "sgemm_lora_a_graph_fwd",
     "sgemm_lora_b_control_fwd",
     "sgemm_lora_b_fwd",
     "sgemm_lora_b_graph_fwd",
 ]
+
+
+def __getattr__(name: str):
+    if name == "use_graph_kernel":
+        raise AttributeError(
+            "lora_cuda.use_graph_kernel() was a process-wide switch and has been removed: pass "
+            "graph_kernel='grouped' or 'blocked' to TorchNativeBackend / AscendBackend, or to the ops"
+        )
+    raise AttributeError(f"module 'lora_cuda' has no attribute {name!r}")

@@ -2,26 +2,48 @@
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 
-from lora_core import BatchInfoBackend
+from lora_core import BatchInfo, BatchInfoBackend, BatchPlan
 
+from .control_plan import ControlPlan
+from .graph_ops import check_graph_kernel, graph_plan_types
 from .ops import sgemm_lora_a_embedding_fwd, sgemm_lora_a_fwd, sgemm_lora_b_fwd
 
 __all__ = ["TorchNativeBackend"]
 
 
 class TorchNativeBackend(BatchInfoBackend):
-    """Pure-PyTorch backend for any device; eager batches use control-flow ops,
-    graph batches (``use_graph=True``) the graph-safe ones."""
+    """Pure-PyTorch backend for any device: eager batches run the control-flow ops
+    (a host loop over the batch's :class:`~lora_cuda.control_plan.ControlPlan`),
+    graph batches (``use_graph=True``) the graph-safe ones.
+
+    Args:
+        device: where batches and weights live.
+        graph_kernel: graph-safe kernel preference, one of :data:`lora_cuda.GRAPH_KERNELS`.
+        strict_token_ids: out-of-vocabulary ids raise instead of getting a zero delta.
+    """
 
     name = "torch_native"
 
-    def run_lora_a(self, x: torch.Tensor, weights: torch.Tensor, num_slices: int = 1) -> torch.Tensor:
-        return sgemm_lora_a_fwd(x, weights, self.batch_info, num_slices)
+    def __init__(self, device: torch.device | str = "cpu", *, graph_kernel: str = "auto",
+                 strict_token_ids: bool = False) -> None:
+        super().__init__(device, strict_token_ids=strict_token_ids)
+        self.graph_kernel = check_graph_kernel(graph_kernel)
 
-    def run_lora_b(self, x, weights, slice_offsets, base_output=None) -> torch.Tensor:
-        return sgemm_lora_b_fwd(x, weights, self.batch_info, slice_offsets, base_output)
+    def plan_types(self, batch_info: BatchInfo) -> Sequence[type[BatchPlan]]:
+        if batch_info.use_graph:
+            return graph_plan_types(self.graph_kernel, batch_info.device)
+        return (ControlPlan,)
 
-    def run_lora_a_embedding(self, ids, weights, vocab_size, extra_embeddings=None) -> torch.Tensor:
-        return sgemm_lora_a_embedding_fwd(ids, weights, self.batch_info, vocab_size, extra_embeddings)
+    def shrink(self, x, weights, batch_info, num_slices) -> torch.Tensor:
+        return sgemm_lora_a_fwd(x, weights, batch_info, num_slices, graph_kernel=self.graph_kernel)
+
+    def expand(self, x, weights, batch_info, slice_offsets, base_output) -> torch.Tensor:
+        return sgemm_lora_b_fwd(x, weights, batch_info, slice_offsets, base_output, graph_kernel=self.graph_kernel)
+
+    def embedding_shrink(self, ids, weights, batch_info, vocab_size, extra_embeddings) -> torch.Tensor:
+        return sgemm_lora_a_embedding_fwd(ids, weights, batch_info, vocab_size, extra_embeddings,
+                                          strict_token_ids=self.strict_token_ids)

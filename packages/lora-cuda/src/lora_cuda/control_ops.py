@@ -1,8 +1,7 @@
 """Control-flow (eager) LoRA ops: a host loop over the batch's token groups.
 
-Groups come from the batch info's host plan, so the loop reads Python ints only
-and never synchronises the device. Two plans (chosen once per batch by
-``BatchInfo.prefers_slot_groups``):
+Groups come from the batch's :class:`~lora_cuda.control_plan.ControlPlan`, so
+the loop reads Python ints only and never synchronises the device:
 
 * segments: contiguous row ranges, one fused ``addmm`` per segment and slice;
 * slot groups: the tokens of each slot gathered once (``token_perm``), one
@@ -23,6 +22,8 @@ from __future__ import annotations
 import torch
 
 from lora_core import BatchInfo, is_capturing
+
+from .control_plan import ControlPlan
 
 __all__ = [
     "sgemm_lora_a_control_fwd",
@@ -47,22 +48,19 @@ def sgemm_lora_a_control_fwd(
     T, cR = x.shape[0], weights.shape[1]
     R = cR // num_slices
     out = x.new_zeros(T, cR)
-    grouped = batch_info.prefers_slot_groups
-    if grouped:
-        perm = batch_info.token_perm
-        xp = x.index_select(0, perm)
-        yp = x.new_zeros(perm.shape[0], cR)
-        groups, src, dst = batch_info.slot_groups, xp, yp
+    plan = batch_info.plan(ControlPlan)
+    if plan.by_slot:
+        src, dst = x.index_select(0, plan.token_perm), x.new_zeros(plan.token_perm.shape[0], cR)
     else:
-        groups, src, dst = batch_info.segments, x, out
-    for g in groups:
+        src, dst = x, out
+    for g in plan.groups:
         rows = slice(g.start, g.end)
         for i in range(num_slices):
             cols = slice(i * R, i * R + g.rank)
             o = dst[rows, cols]
             torch.addmm(o, src[rows], weights[g.slot, cols].t(), beta=0, alpha=g.scaling, out=o)
-    if grouped:
-        out.index_copy_(0, batch_info.token_perm, yp)
+    if plan.by_slot:
+        out.index_copy_(0, plan.token_perm, dst)
     return out
 
 
@@ -79,18 +77,19 @@ def sgemm_lora_b_control_fwd(
     T, R = x.shape[0], weights.shape[2]
     out = base_output if base_output is not None else x.new_zeros(T, slice_offsets[-1])
     num_slices = len(slice_offsets) - 1
-    if batch_info.prefers_slot_groups:
-        perm = batch_info.token_perm
+    plan = batch_info.plan(ControlPlan)
+    if plan.by_slot:
+        perm = plan.token_perm
         yp = x.index_select(0, perm)
         delta = x.new_empty(perm.shape[0], slice_offsets[-1])  # every row and column is written below
-        for g in batch_info.slot_groups:
+        for g in plan.groups:
             rows = slice(g.start, g.end)
             for i in range(num_slices):
                 cols = slice(slice_offsets[i], slice_offsets[i + 1])
                 torch.mm(yp[rows, i * R : i * R + g.rank], weights[g.slot, cols, : g.rank].t(), out=delta[rows, cols])
         out.index_add_(0, perm, delta)
         return out
-    for g in batch_info.segments:
+    for g in plan.groups:
         rows = slice(g.start, g.end)
         for i in range(num_slices):
             cols = slice(slice_offsets[i], slice_offsets[i + 1])
@@ -110,16 +109,15 @@ def sgemm_lora_a_embedding_control_fwd(
     out = weights.new_zeros(T, R)
     valid = (ids >= 0) & (ids < num_valid_ids)
     safe_ids = torch.where(valid, ids, 0)
-    grouped = batch_info.prefers_slot_groups
-    if grouped:
-        perm = batch_info.token_perm
-        groups, src, dst = batch_info.slot_groups, safe_ids.index_select(0, perm), weights.new_zeros(perm.shape[0], R)
+    plan = batch_info.plan(ControlPlan)
+    if plan.by_slot:
+        src, dst = safe_ids.index_select(0, plan.token_perm), weights.new_zeros(plan.token_perm.shape[0], R)
     else:
-        groups, src, dst = batch_info.segments, safe_ids, out
-    for g in groups:
+        src, dst = safe_ids, out
+    for g in plan.groups:
         rows = slice(g.start, g.end)
         picked = weights[g.slot, : g.rank].index_select(1, src[rows])  # (r, n)
         torch.mul(picked.t(), g.scaling, out=dst[rows, : g.rank])
-    if grouped:
-        out.index_copy_(0, batch_info.token_perm, dst)
+    if plan.by_slot:
+        out.index_copy_(0, plan.token_perm, dst)
     return out.masked_fill_(~valid[:, None], 0)

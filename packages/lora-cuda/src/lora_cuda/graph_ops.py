@@ -1,15 +1,16 @@
 """Graph-safe LoRA ops: static shapes, no host reads, FLOPs that do not grow with the slot count.
 
 Upstream's graph path looped over all ``L`` slots and multiplied every token by
-every slot's weights, masking the result (SPEC §1 bug 5: ``L`` times the FLOPs).
+every slot's weights, masking the result (``L`` times the FLOPs; docs/upstream-failures.md).
 Here every token is multiplied by its own slot's weights only, with one of two
-kernels; both read their per-batch plan from tensors that the batch info fills
-on the host and refills in place:
+kernels; each reads its own per-batch plan (:mod:`lora_cuda.graph_plans`), which
+the batch info builds on first request and refills in place with the batch:
 
 * **grouped** (``torch._grouped_mm``): tokens sorted by slot (``sorted_tokens``,
   static ``T`` rows) and per-slot group ends; one grouped GEMM against the
-  weight stack as it is, no padding, no weight copies. Used where it is known
-  to work: CPU with torch >= 2.9 (all float dtypes);
+  weight stack as it is, no padding, no weight copies. Used by default where
+  it is known to work: CPU with torch >= 2.9 (all float dtypes), contiguous
+  weights and 16-byte aligned strides;
 * **blocked** (fallback everywhere else): each slot's tokens packed into blocks
   of ``b`` rows (``NB = ceil(T/b) + L`` blocks, at most one partly filled block
   per slot); gather the blocks' rows and their slots' weights and run one ``bmm``.
@@ -17,6 +18,9 @@ on the host and refills in place:
 Either way the shrink is scaled and masked by rank and scattered back with
 ``index_add``; the expand runs once per slice and accumulates into the output.
 Embedding: one 3-D gather ``A[slot, :, id]`` per token (all ranks at once).
+
+The kernel preference (``kernel=``, see :data:`GRAPH_KERNELS`) is an argument of
+each op and an option of the backend, never process-wide state.
 
 Every op launches the same kernels whatever the batch's segments and slots, reads
 nothing on the host, and keeps every shape fixed by the batch info's capacity.
@@ -27,20 +31,32 @@ from __future__ import annotations
 
 import torch
 
-import contextlib
-from typing import Iterator
-
 from lora_core import BatchInfo
 
+from .graph_plans import BlockPlan, SortedPlan
+
 __all__ = [
+    "GRAPH_KERNELS",
+    "check_graph_kernel",
+    "graph_kernel",
+    "graph_plan_types",
     "sgemm_lora_a_graph_fwd",
     "sgemm_lora_b_graph_fwd",
     "sgemm_lora_a_embedding_graph_fwd",
-    "graph_kernel",
-    "use_graph_kernel",
 ]
 
-_kernel_override: str | None = None
+GRAPH_KERNELS = ("auto", "grouped", "blocked")
+"""Kernel preferences: ``auto`` (grouped GEMM on CPU where it applies, token blocks
+elsewhere), ``grouped`` (wherever its shape and alignment rules hold), ``blocked``."""
+
+
+def check_graph_kernel(kernel: str) -> str:
+    """``kernel`` if it names a preference of :data:`GRAPH_KERNELS`, else ``ValueError``."""
+    if kernel not in GRAPH_KERNELS:
+        raise ValueError(f"graph_kernel must be one of {', '.join(map(repr, GRAPH_KERNELS))}, got {kernel!r}")
+    if kernel == "grouped" and not hasattr(torch, "_grouped_mm"):
+        raise ValueError(f"graph_kernel='grouped' needs torch._grouped_mm, which torch {torch.__version__} lacks")
+    return kernel
 
 
 def _aligned(dtype: torch.dtype, *sizes: int) -> bool:
@@ -48,68 +64,72 @@ def _aligned(dtype: torch.dtype, *sizes: int) -> bool:
     return all(size * dtype.itemsize % 16 == 0 for size in sizes)
 
 
-def graph_kernel(batch_info: BatchInfo, rows: int, dtype: torch.dtype, *sizes: int) -> str:
-    """``"grouped"`` or ``"blocked"``: the kernel for ``rows`` rows of ``dtype`` whose
-    row strides / slice offsets are ``sizes`` elements. Decided from metadata only."""
-    grouped_possible = (
-        hasattr(torch, "_grouped_mm")
-        and rows == batch_info.sorted_tokens.shape[0]
-        and _aligned(dtype, *sizes)
-    )
-    if _kernel_override is not None:
-        return _kernel_override if grouped_possible else "blocked"
-    return "grouped" if grouped_possible and batch_info.device.type == "cpu" else "blocked"
+def graph_kernel(
+    batch_info: BatchInfo, rows: int, weights: torch.Tensor, *sizes: int, preference: str = "auto"
+) -> str:
+    """``"grouped"`` or ``"blocked"``: the kernel for ``rows`` rows against ``weights``
+    whose row strides / slice offsets are ``sizes`` elements. Decided from metadata only.
+
+    The grouped GEMM needs one row per planned row, contiguous weights and 16-byte
+    aligned strides; ``preference="auto"`` uses it on CPU only (where it is known to
+    beat the blocked kernel), ``"grouped"`` wherever it applies.
+    """
+    if preference == "blocked" or not hasattr(torch, "_grouped_mm"):
+        return "blocked"
+    possible = (rows == batch_info.num_tokens and weights.is_contiguous()
+                and weights.data_ptr() % 16 == 0 and _aligned(weights.dtype, *sizes))
+    if preference == "grouped":
+        return "grouped" if possible else "blocked"
+    return "grouped" if possible and batch_info.device.type == "cpu" else "blocked"
 
 
-@contextlib.contextmanager
-def use_graph_kernel(kernel: str) -> Iterator[None]:
-    """Prefer ``"grouped"`` (where its shape and alignment rules hold) or force
-    ``"blocked"`` within the block (tests, benchmarks, new hardware)."""
-    global _kernel_override
-    if kernel not in ("grouped", "blocked"):
-        raise ValueError(f"kernel must be 'grouped' or 'blocked', got {kernel!r}")
-    if kernel == "grouped" and not hasattr(torch, "_grouped_mm"):
-        raise RuntimeError(f"torch {torch.__version__} has no torch._grouped_mm")
-    previous, _kernel_override = _kernel_override, kernel
-    try:
-        yield
-    finally:
-        _kernel_override = previous
+def graph_plan_types(preference: str, device: torch.device) -> tuple[type, ...]:
+    """The plans the graph-safe kernels may read for ``preference`` on ``device``:
+    what a backend builds before a capture. Where grouped GEMMs may run, the
+    blocked plan is kept too, for layers whose sizes the grouped GEMM rejects."""
+    if preference == "blocked" or not hasattr(torch, "_grouped_mm"):
+        return (BlockPlan,)
+    if preference == "auto" and device.type != "cpu":
+        return (BlockPlan,)
+    return (SortedPlan, BlockPlan)
 
 
-def _sorted_row_mask(batch_info: BatchInfo, max_rank: int, num_slices: int) -> torch.Tensor:
+def _sorted_row_mask(plan: SortedPlan, max_rank: int, num_slices: int) -> torch.Tensor:
     """``(T, c*R)`` bool for sorted rows: the column is within the row's slot rank (0 without adapter)."""
-    cols = torch.arange(max_rank, device=batch_info.device)
-    return (cols[None, :] < batch_info.sorted_ranks[:, None]).repeat(1, num_slices)
+    cols = torch.arange(max_rank, device=plan.sorted_ranks.device)
+    return (cols[None, :] < plan.sorted_ranks[:, None]).repeat(1, num_slices)
 
 
-def _block_row_mask(batch_info: BatchInfo, max_rank: int, num_slices: int) -> torch.Tensor:
+def _block_row_mask(plan: BlockPlan, max_rank: int, num_slices: int) -> torch.Tensor:
     """``(NB, b, c*R)`` bool: the row is a real token and the column is within its slot's rank."""
-    cols = torch.arange(max_rank, device=batch_info.device)
-    in_rank = (cols[None, :] < batch_info.block_ranks[:, None]).repeat(1, num_slices)  # (NB, c*R)
-    return batch_info.block_valid[:, :, None] & in_rank[:, None, :]
+    cols = torch.arange(max_rank, device=plan.block_ranks.device)
+    in_rank = (cols[None, :] < plan.block_ranks[:, None]).repeat(1, num_slices)  # (NB, c*R)
+    return plan.block_valid[:, :, None] & in_rank[:, None, :]
 
 
 def sgemm_lora_a_graph_fwd(
-    x: torch.Tensor, weights: torch.Tensor, batch_info: BatchInfo, num_slices: int = 1
+    x: torch.Tensor, weights: torch.Tensor, batch_info: BatchInfo, num_slices: int = 1, *, kernel: str = "auto"
 ) -> torch.Tensor:
-    """Scaled shrink. ``x: (T, in)``, ``weights: (L, c*R, in)`` -> ``(T, c*R)`` in ``x.dtype``."""
+    """Scaled shrink. ``x: (T, in)``, ``weights: (L, c*R, in)`` -> ``(T, c*R)`` in ``x.dtype``;
+    ``kernel`` is a preference of :data:`GRAPH_KERNELS`."""
     T, in_features = x.shape
     cR = weights.shape[1]
-    if graph_kernel(batch_info, T, x.dtype, in_features, cR) == "grouped":
-        order = batch_info.sorted_tokens
-        ys = torch._grouped_mm(x.index_select(0, order), weights.transpose(1, 2), offs=batch_info.group_ends)
-        scaled = ys * batch_info.sorted_scalings[:, None]
-        ys = torch.where(_sorted_row_mask(batch_info, cR // num_slices, num_slices), scaled, 0).to(x.dtype)
+    if graph_kernel(batch_info, T, weights, in_features, cR, preference=kernel) == "grouped":
+        plan = batch_info.plan(SortedPlan)
+        order = plan.sorted_tokens
+        ys = torch._grouped_mm(x.index_select(0, order), weights.transpose(1, 2), offs=plan.group_ends)
+        scaled = ys * plan.sorted_scalings[:, None]
+        ys = torch.where(_sorted_row_mask(plan, cR // num_slices, num_slices), scaled, 0).to(x.dtype)
         return x.new_zeros(T, cR).index_add_(0, order, ys)
-    nb, b = batch_info.num_blocks, batch_info.block_size
-    xb = x.index_select(0, batch_info.block_tokens).view(nb, b, in_features)
-    wb = weights.index_select(0, batch_info.block_slots)  # (NB, c*R, in)
+    plan = batch_info.plan(BlockPlan)
+    nb, b = plan.num_blocks, plan.block_size
+    xb = x.index_select(0, plan.block_tokens).view(nb, b, in_features)
+    wb = weights.index_select(0, plan.block_slots)  # (NB, c*R, in)
     yb = torch.bmm(xb, wb.transpose(1, 2))  # (NB, b, c*R)
-    scaled = yb * batch_info.block_scalings.view(nb, 1, 1)
-    yb = torch.where(_block_row_mask(batch_info, cR // num_slices, num_slices), scaled, 0).to(x.dtype)
+    scaled = yb * plan.block_scalings.view(nb, 1, 1)
+    yb = torch.where(_block_row_mask(plan, cR // num_slices, num_slices), scaled, 0).to(x.dtype)
     out = x.new_zeros(T, cR)
-    return out.index_add_(0, batch_info.block_tokens, yb.view(nb * b, cR))
+    return out.index_add_(0, plan.block_tokens, yb.view(nb * b, cR))
 
 
 def sgemm_lora_b_graph_fwd(
@@ -118,29 +138,33 @@ def sgemm_lora_b_graph_fwd(
     batch_info: BatchInfo,
     slice_offsets: tuple[int, ...],
     base_output: torch.Tensor | None = None,
+    *,
+    kernel: str = "auto",
 ) -> torch.Tensor:
     """Expand. ``x: (T, c*R)``, ``weights: (L, out_total, R)`` -> ``(T, out_total)``,
-    accumulated into ``base_output`` in place when given."""
+    accumulated into ``base_output`` in place when given; ``kernel`` as for the shrink."""
     T, cR = x.shape
     R, out_total = weights.shape[2], slice_offsets[-1]
     num_slices = len(slice_offsets) - 1
     out = base_output if base_output is not None else x.new_zeros(T, out_total)
     strides = (R, out_total * R, *(o * R for o in slice_offsets[1:-1]), *slice_offsets[1:])
-    if graph_kernel(batch_info, T, x.dtype, *strides) == "grouped":
-        order = batch_info.sorted_tokens
+    if graph_kernel(batch_info, T, weights, *strides, preference=kernel) == "grouped":
+        plan = batch_info.plan(SortedPlan)
+        order = plan.sorted_tokens
         # rows without an adapter (rank 0) are zeroed here, so the last group's GEMM gives them 0
-        ys = torch.where(_sorted_row_mask(batch_info, R, num_slices), x.index_select(0, order), 0)
+        ys = torch.where(_sorted_row_mask(plan, R, num_slices), x.index_select(0, order), 0)
         parts = [
             torch._grouped_mm(ys[:, i * R : (i + 1) * R].contiguous(),
                               weights[:, slice_offsets[i] : slice_offsets[i + 1]].transpose(1, 2),
-                              offs=batch_info.group_ends)
+                              offs=plan.group_ends)
             for i in range(num_slices)
         ]
         return out.index_add_(0, order, parts[0] if num_slices == 1 else torch.cat(parts, dim=1))
-    nb, b = batch_info.num_blocks, batch_info.block_size
-    yb = x.index_select(0, batch_info.block_tokens).view(nb, b, cR)
-    yb = torch.where(_block_row_mask(batch_info, R, num_slices), yb, 0)
-    wb = weights.index_select(0, batch_info.block_slots)  # (NB, out_total, R)
+    plan = batch_info.plan(BlockPlan)
+    nb, b = plan.num_blocks, plan.block_size
+    yb = x.index_select(0, plan.block_tokens).view(nb, b, cR)
+    yb = torch.where(_block_row_mask(plan, R, num_slices), yb, 0)
+    wb = weights.index_select(0, plan.block_slots)  # (NB, out_total, R)
     if num_slices == 1:
         delta = torch.bmm(yb, wb.transpose(1, 2))
     else:
@@ -151,7 +175,7 @@ def sgemm_lora_b_graph_fwd(
             ],
             dim=2,
         )
-    return out.index_add_(0, batch_info.block_tokens, delta.view(nb * b, out_total))
+    return out.index_add_(0, plan.block_tokens, delta.view(nb * b, out_total))
 
 
 def sgemm_lora_a_embedding_graph_fwd(

@@ -1,7 +1,11 @@
-"""Public torch-native LoRA ops: validate at the boundary, then dispatch on
-``batch_info.use_graph`` to the graph-safe or the control-flow implementation
-(``graph_safe=True`` selects the graph-safe one for any batch, as the ascend
-backend does).
+"""Public torch-native LoRA ops: validate at the boundary, then dispatch.
+
+Graph-mode batches (``batch_info.use_graph``) run the graph-safe kernels of
+:mod:`lora_cuda.graph_ops`, eager batches the control-flow ones of
+:mod:`lora_cuda.control_ops`; ``graph_safe=True`` selects the graph-safe
+kernels for any batch. Options are arguments, never process-wide state:
+``graph_kernel`` (a preference of :data:`lora_cuda.GRAPH_KERNELS`) and, for the
+embedding, ``strict_token_ids``.
 
 Validation reads shapes, dtypes, devices and host-side batch data only, so it
 never synchronises the device and is safe under graph capture.
@@ -27,6 +31,7 @@ from .control_ops import (
     sgemm_lora_b_control_fwd,
 )
 from .graph_ops import (
+    check_graph_kernel,
     sgemm_lora_a_embedding_graph_fwd,
     sgemm_lora_a_graph_fwd,
     sgemm_lora_b_graph_fwd,
@@ -36,13 +41,26 @@ __all__ = ["sgemm_lora_a_fwd", "sgemm_lora_b_fwd", "sgemm_lora_a_embedding_fwd"]
 
 
 def sgemm_lora_a_fwd(
-    x: torch.Tensor, weights: torch.Tensor, batch_info: BatchInfo, num_slices: int = 1, *, graph_safe: bool = False
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    batch_info: BatchInfo,
+    num_slices: int = 1,
+    *,
+    graph_safe: bool = False,
+    graph_kernel: str = "auto",
 ) -> torch.Tensor:
     """Scaled shrink per slot. ``x: (T, in)``, ``weights: (L, c*R, in)`` -> ``(T, c*R)``
-    in ``x.dtype``; columns beyond a slot's rank and rows of slot -1 are zero."""
+    in ``x.dtype``; columns beyond a slot's rank and rows of slot -1 are zero.
+
+    Semantics (``R = weights.shape[1] // num_slices``, ``r`` and ``s`` the token's
+    slot rank and scaling)::
+
+        out[t, i*R : i*R + r] = s * x[t] @ weights[slot_t, i*R : i*R + r].T
+    """
     check_lora_a_inputs(x, weights, batch_info, num_slices)
-    impl = sgemm_lora_a_graph_fwd if graph_safe or batch_info.use_graph else sgemm_lora_a_control_fwd
-    return impl(x, weights, batch_info, num_slices)
+    if graph_safe or batch_info.use_graph:
+        return sgemm_lora_a_graph_fwd(x, weights, batch_info, num_slices, kernel=check_graph_kernel(graph_kernel))
+    return sgemm_lora_a_control_fwd(x, weights, batch_info, num_slices)
 
 
 def sgemm_lora_b_fwd(
@@ -53,14 +71,22 @@ def sgemm_lora_b_fwd(
     base_output: torch.Tensor | None = None,
     *,
     graph_safe: bool = False,
+    graph_kernel: str = "auto",
 ) -> torch.Tensor:
     """Expand per slice. ``x: (T, c*R)``, ``weights: (L, out_total, R)``,
     ``slice_offsets: [0, o1, ..., out_total]`` -> ``(T, out_total)``; when
     ``base_output (T, out_total)`` is given the delta is added to it in place and
-    it is returned (also when no token has an adapter)."""
+    it is returned (also when no token has an adapter).
+
+    Semantics::
+
+        out[t, o_i : o_{i+1}] += x[t, i*R : i*R + r] @ weights[slot_t, o_i : o_{i+1}, :r].T
+    """
     offsets = check_lora_b_inputs(x, weights, batch_info, slice_offsets, base_output)
-    impl = sgemm_lora_b_graph_fwd if graph_safe or batch_info.use_graph else sgemm_lora_b_control_fwd
-    return impl(x, weights, batch_info, offsets, base_output)
+    if graph_safe or batch_info.use_graph:
+        return sgemm_lora_b_graph_fwd(x, weights, batch_info, offsets, base_output,
+                                      kernel=check_graph_kernel(graph_kernel))
+    return sgemm_lora_b_control_fwd(x, weights, batch_info, offsets, base_output)
 
 
 def sgemm_lora_a_embedding_fwd(
@@ -71,18 +97,26 @@ def sgemm_lora_a_embedding_fwd(
     extra_embeddings: torch.Tensor | None = None,
     *,
     graph_safe: bool = False,
+    strict_token_ids: bool = False,
 ) -> torch.Tensor:
     """Scaled embedding shrink. ``ids: (T,)`` integer, ``weights: (L, R, V_total)`` -> ``(T, R)``
     (``(T, 0)`` for empty weights).
 
     Valid ids are ``[0, vocab_size + added)`` with ``added = extra_embeddings.shape[1]``
     (the slot's added tokens); any other id gets a zero delta, or raises
-    ``ValueError`` under :func:`lora_core.strict_token_ids`.
+    ``ValueError`` naming its positions with ``strict_token_ids=True`` (eager only:
+    the check reads ids back, so it is skipped while a graph is captured).
+
+    Semantics::
+
+        out[t, :r] = s * weights[slot_t, :r, ids[t]]   if 0 <= ids[t] < vocab_size + added
+        out[t, :]  = 0                                 otherwise, and for slot -1
     """
     num_valid = check_embedding_inputs(ids, weights, batch_info, vocab_size, extra_embeddings)
-    check_token_ids(ids, num_valid)
+    if strict_token_ids:
+        check_token_ids(ids, num_valid)
     if weights.numel() == 0:
         return weights.new_zeros(ids.shape[0], weights.shape[1])
-    impl = (sgemm_lora_a_embedding_graph_fwd if graph_safe or batch_info.use_graph
-            else sgemm_lora_a_embedding_control_fwd)
-    return impl(ids, weights, batch_info, num_valid)
+    if graph_safe or batch_info.use_graph:
+        return sgemm_lora_a_embedding_graph_fwd(ids, weights, batch_info, num_valid)
+    return sgemm_lora_a_embedding_control_fwd(ids, weights, batch_info, num_valid)

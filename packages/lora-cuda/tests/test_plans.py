@@ -1,0 +1,102 @@
+"""The kernel plans of lora-cuda: built only for the kernel that runs, equal to their definition."""
+
+import random
+
+import pytest
+import torch
+
+from lora_core import build_batch_info
+from lora_core.testing import make_batch_info, random_requests
+from lora_cuda import BlockPlan, ControlPlan, SortedPlan, TorchNativeBackend
+
+
+def test_segment_plan_lists_active_segments_in_batch_order():
+    info = build_batch_info([2, 0, 3, 1, 1], [0, None, 0, 1, -1], [2, 3], [1.0, 2.0], device="cpu")
+    plan = info.plan(ControlPlan)
+    assert not plan.by_slot and plan.token_perm is None
+    assert [(g.slot, g.start, g.end, g.rank, g.scaling) for g in plan.groups] == [(0, 0, 5, 2, 1.0), (1, 5, 6, 3, 2.0)]
+
+
+def test_slot_groups_gather_each_active_slot_once():
+    info = build_batch_info([1, 1, 1, 1, 1], [1, 0, 1, None, 2], [4, 4, 0], [1.0, 1.0, 1.0], device="cpu")
+    plan = info.plan(ControlPlan)
+    # slot 2 has rank 0: no group; slot -1: no group; 3 single-token segments on 2 slots: by slot
+    assert plan.by_slot
+    assert [(g.slot, g.start, g.end) for g in plan.groups] == [(0, 0, 1), (1, 1, 3)]
+    assert plan.token_perm.tolist() == [1, 0, 2]
+
+
+def test_long_segments_prefer_the_segment_loop():
+    info = build_batch_info([100, 100, 100], [0, 1, 0], [4, 4], [1.0, 1.0], device="cpu")
+    assert not info.plan(ControlPlan).by_slot
+
+
+def test_an_eager_torch_native_batch_builds_no_static_kernel_plan():
+    info = make_batch_info([3, 5], [0, 1], [4, 4], device="cpu")
+    TorchNativeBackend("cpu").prepare_batch(info)
+    assert info.plan_types == (ControlPlan,)
+    graph = make_batch_info([3, 5], [0, 1], [4, 4], device="cpu", use_graph=True)
+    TorchNativeBackend("cpu", graph_kernel="blocked").prepare_batch(graph)
+    assert graph.plan_types == (BlockPlan,)
+    assert graph.lm_head_view(pruned=True).plan_types == (BlockPlan,)
+
+
+def _sorted_by_definition(token_slots, ranks):
+    """Active rows grouped by slot in row order, then the other rows in row order."""
+    active = [t for t, s in enumerate(token_slots) if s >= 0 and ranks[s] > 0]
+    order = sorted(active, key=lambda t: token_slots[t]) + [t for t in range(len(token_slots)) if t not in active]
+    ends, end = [], 0
+    for slot in range(len(ranks)):
+        end += sum(1 for t in active if token_slots[t] == slot)
+        ends.append(end)
+    ends[-1] = len(token_slots)
+    return order, ends
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_static_plans_match_their_definition_and_refill_in_place(seed):
+    rng = random.Random(seed)
+    L, capacity = rng.randint(1, 6), rng.randint(1, 90)
+    ranks = [rng.choice([0, 1, 4, 8]) for _ in range(L)]
+    info = make_batch_info(*random_requests(rng, capacity, L), ranks, device="cpu", use_graph=True)
+    sorted_plan, blocks = info.plan(SortedPlan), info.plan(BlockPlan)
+    tensors = [sorted_plan.sorted_tokens, sorted_plan.group_ends, blocks.block_tokens, blocks.block_valid]
+    for _ in range(3):
+        lens, slots = random_requests(rng, rng.randint(0, capacity), L)
+        info.refill(lens, slots)
+        assert [sorted_plan.sorted_tokens, sorted_plan.group_ends, blocks.block_tokens, blocks.block_valid] == tensors
+        token_slots = info.token_slots_cpu.tolist()
+        order, ends = _sorted_by_definition(token_slots, ranks)
+        assert sorted_plan.sorted_tokens.tolist() == order
+        assert sorted_plan.group_ends.tolist() == ends
+        expected_ranks = [ranks[token_slots[t]] if token_slots[t] >= 0 else 0 for t in order]
+        assert sorted_plan.sorted_ranks.tolist() == expected_ranks
+        # blocks: every active token exactly once, in a block of its own slot, with that slot's rank
+        valid = blocks.block_valid
+        tokens = blocks.block_tokens.view(valid.shape)
+        seen = []
+        for j in range(blocks.num_blocks):
+            members = tokens[j][valid[j]].tolist()
+            seen += members
+            assert all(token_slots[t] == int(blocks.block_slots[j]) for t in members)
+            if members:
+                assert int(blocks.block_ranks[j]) == ranks[token_slots[members[0]]]
+            else:
+                assert int(blocks.block_ranks[j]) == 0 or j < blocks.num_blocks
+        active = [t for t, s in enumerate(token_slots) if s >= 0 and ranks[s] > 0]
+        assert sorted(seen) == active
+
+
+def test_plans_follow_new_adapter_ranks():
+    info = make_batch_info([2, 2], [0, 1], [4, 4], device="cpu", use_graph=True)
+    plan = info.plan(SortedPlan)
+    info.set_adapters([0, 4], [1.0, 1.0])
+    assert plan.sorted_tokens.tolist() == [2, 3, 0, 1] and plan.sorted_ranks.tolist() == [4, 4, 0, 0]
+
+
+def test_a_plan_is_never_built_during_a_capture():
+    from lora_core.testing import GraphSimulator
+
+    info = make_batch_info([2, 2], [0, 1], [4, 4], device="cpu", use_graph=True)
+    with pytest.raises(RuntimeError, match="was not built before the graph capture"):
+        GraphSimulator(strict=True).capture(lambda: info.plan(BlockPlan))
