@@ -6,10 +6,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from lora_core.reference import reference_lora_a, reference_lora_a_embedding
 from lora_core.testing import assert_close_to_reference, count_launches, make_batch_info, random_linear_weights
-from lora_cuda import use_graph_kernel
+from lora_cuda import BlockPlan
 from lora_ascend import (
     AscendBackend,
-    gathered_rows_bound,
     vectorized_lora_a_embedding_fwd,
     vectorized_lora_a_fwd,
     vectorized_lora_b_fwd,
@@ -24,6 +23,7 @@ def _counts(num_segments, num_slots, use_graph):
     seq = [T // num_segments] * num_segments
     slots = [s % num_slots for s in range(num_segments)]
     info = make_batch_info(seq, slots, ranks, device="cpu", use_graph=use_graph)
+    AscendBackend("cpu").prepare_batch(info)  # the plans, built before anything is counted
     gen = torch.Generator().manual_seed(0)
     a, b, offsets = random_linear_weights(gen, num_slots=num_slots, max_rank=R, in_features=H, slice_widths=[H],
                                           lora_ranks=ranks, dtype=torch.float32, device="cpu")
@@ -75,12 +75,14 @@ def test_peak_memory_of_the_gather_path_is_bounded_at_8192_tokens(kernel):
     info = make_batch_info(seq, [s % L for s in range(64)], [R] * L, device="cpu")
     x = torch.randn(T, in_features)
     a = torch.randn(L, c * R, in_features)
-    rows = gathered_rows_bound(info)
-    assert rows <= T + L * info.block_size  # the documented bound
-    with torch.no_grad(), use_graph_kernel(kernel), _AllocatedBytes().watch(x, a) as mode:
-        vectorized_lora_a_fwd(x, a, info, c)
+    AscendBackend("cpu", graph_kernel=kernel).prepare_batch(info)  # plans are not the op's allocations
+    plan = info.plan(BlockPlan)
+    rows = plan.gathered_rows
+    assert rows <= T + L * plan.block_size  # the documented bound
+    with torch.no_grad(), _AllocatedBytes().watch(x, a) as mode:
+        vectorized_lora_a_fwd(x, a, info, c, graph_kernel=kernel)
     elem = x.element_size()
-    gathered = (rows * in_features + info.num_blocks * c * R * in_features) * elem  # x blocks + weight blocks
+    gathered = (rows * in_features + plan.num_blocks * c * R * in_features) * elem  # x blocks + weight blocks
     # the gathered operands dominate; products, masks and the (T, c*R) result are small beside them
     assert mode.total <= 2 * gathered, (mode.total, gathered)
     per_token_gather = T * c * R * in_features * elem  # what gathering weights per token would take

@@ -7,18 +7,13 @@ on any torch device; importing it never requires torch_npu.
 """
 
 from .backend import AscendBackend
-from .ops import (
-    gathered_rows_bound,
-    vectorized_lora_a_embedding_fwd,
-    vectorized_lora_a_fwd,
-    vectorized_lora_b_fwd,
-)
+from .embedding import vectorized_lora_a_embedding_fwd
+from .ops import vectorized_lora_a_fwd, vectorized_lora_b_fwd
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AscendBackend",
-    "gathered_rows_bound",
     "vectorized_lora_a_embedding_fwd",
     "vectorized_lora_a_fwd",
     "vectorized_lora_b_fwd",

@@ -23,7 +23,8 @@ import torch.nn.functional as F
 from lora_core.testing import make_batch_info, random_linear_weights
 from lora_cuda.bench import floor_lora, interleaved_times, upstream_control_lora
 
-from .ops import vectorized_lora_a_embedding_fwd, vectorized_lora_a_fwd, vectorized_lora_b_fwd
+from .embedding import vectorized_lora_a_embedding_fwd
+from .ops import vectorized_lora_a_fwd, vectorized_lora_b_fwd
 
 __all__ = ["loop_embedding_shrink", "run", "main"]
 

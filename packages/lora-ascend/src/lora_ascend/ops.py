@@ -1,26 +1,19 @@
-"""Vectorized LoRA ops: a constant number of kernel launches in every mode.
+"""Vectorized shrink and expand: a constant number of kernel launches for every batch.
 
-The kernels are lora-cuda's graph-safe ones (one implementation of the math,
-not two): the batch info packs each slot's tokens into static blocks, so
+On an Ascend NPU every host-side loop iteration costs a kernel launch, so the
+``ascend`` backend never loops over segments, eager batches included. Its
+shrink and expand are lora-cuda's graph-safe kernels (one implementation of
+that math, not two: lora-ascend's one dependency on lora-cuda,
+docs/architecture.md). What this module owns is the dispatch policy: those
+kernels for every batch, ``use_graph`` or not, with validation at the boundary.
 
-* embedding shrink is one 3-D gather ``A[slot, rank, id]`` per token, with the
-  out-of-vocabulary policy of SPEC §3 (zero delta, never a clamped neighbour);
-* shrink and expand gather each block's rows and its slot's weights and run one
-  ``bmm`` (one per slice for expand), scattered back with ``index_add``.
-
-(where available the blocks give way to one grouped GEMM over tokens sorted by
-slot, with the same properties and no padding). What this module adds is the
-Ascend dispatch policy: these ops run for eager batches too (``use_graph=False``),
-because on an NPU a host loop over segments costs a launch per segment, and the
-memory bound below.
-
-Memory: for ``T`` rows, ``L`` slots and block size ``b`` (``BatchInfo.block_size``,
-at most 256), the blocked kernel's gathered operands are ``NB = ceil(T / b) + L`` blocks:
-``NB * b <= T + L * b`` rows of ``x`` and ``NB`` copies of a ``(c*R, in)`` weight
-slice. Peak extra memory therefore grows like ``T`` (about ``1 + L*b/T`` times
-the input), never like ``T * c*R * in`` as per-token weight gathering would, so
-no chunking is needed: at ``T = 8192`` the gathered weights are ``NB <= 40 + L``
-slices. The grouped kernel gathers exactly ``T`` rows and copies no weights.
+Memory: for ``T`` rows, ``L`` slots and block size ``b`` (at most 256), the
+blocked kernel gathers ``NB = ceil(T / b) + L`` blocks (``BlockPlan.gathered_rows``):
+``NB * b <= T + L * b`` rows of ``x`` and ``NB`` copies of a ``(c*R, in)``
+weight slice. Peak extra memory therefore grows like ``T`` (about
+``1 + L*b/T`` times the input), never like ``T * c*R * in`` as per-token
+weight gathering would, so no chunking is needed. The grouped kernel gathers
+exactly ``T`` rows and copies no weights.
 """
 
 from __future__ import annotations
@@ -30,26 +23,20 @@ from typing import Sequence
 import torch
 
 from lora_core import BatchInfo
-from lora_cuda.ops import sgemm_lora_a_embedding_fwd, sgemm_lora_a_fwd, sgemm_lora_b_fwd
+from lora_core.validation import check_lora_a_inputs, check_lora_b_inputs
+from lora_cuda.graph_ops import check_graph_kernel, sgemm_lora_a_graph_fwd, sgemm_lora_b_graph_fwd
 
-__all__ = [
-    "gathered_rows_bound",
-    "vectorized_lora_a_fwd",
-    "vectorized_lora_b_fwd",
-    "vectorized_lora_a_embedding_fwd",
-]
-
-
-def gathered_rows_bound(batch_info: BatchInfo) -> int:
-    """Rows of ``x`` the blocked kernel gathers (``NB * b``); at most ``T + L * b``."""
-    return batch_info.num_blocks * batch_info.block_size
+__all__ = ["vectorized_lora_a_fwd", "vectorized_lora_b_fwd"]
 
 
 def vectorized_lora_a_fwd(
-    x: torch.Tensor, weights: torch.Tensor, batch_info: BatchInfo, num_slices: int = 1
+    x: torch.Tensor, weights: torch.Tensor, batch_info: BatchInfo, num_slices: int = 1, *,
+    graph_kernel: str = "auto",
 ) -> torch.Tensor:
-    """Scaled shrink, graph-safe kernels for any batch: see :func:`lora_cuda.sgemm_lora_a_fwd`."""
-    return sgemm_lora_a_fwd(x, weights, batch_info, num_slices, graph_safe=True)
+    """Scaled shrink for any batch. ``x: (T, in)``, ``weights: (L, c*R, in)`` -> ``(T, c*R)``
+    in ``x.dtype``; semantics of ``LoRABackend.run_lora_a``."""
+    check_lora_a_inputs(x, weights, batch_info, num_slices)
+    return sgemm_lora_a_graph_fwd(x, weights, batch_info, num_slices, kernel=check_graph_kernel(graph_kernel))
 
 
 def vectorized_lora_b_fwd(
@@ -58,18 +45,12 @@ def vectorized_lora_b_fwd(
     batch_info: BatchInfo,
     slice_offsets: Sequence[int] | torch.Tensor,
     base_output: torch.Tensor | None = None,
+    *,
+    graph_kernel: str = "auto",
 ) -> torch.Tensor:
-    """Expand, graph-safe kernels for any batch: see :func:`lora_cuda.sgemm_lora_b_fwd`."""
-    return sgemm_lora_b_fwd(x, weights, batch_info, slice_offsets, base_output, graph_safe=True)
-
-
-def vectorized_lora_a_embedding_fwd(
-    ids: torch.Tensor,
-    weights: torch.Tensor,
-    batch_info: BatchInfo,
-    vocab_size: int,
-    extra_embeddings: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Embedding shrink by one gather per token, for any batch: see
-    :func:`lora_cuda.sgemm_lora_a_embedding_fwd` (zero delta out of vocabulary)."""
-    return sgemm_lora_a_embedding_fwd(ids, weights, batch_info, vocab_size, extra_embeddings, graph_safe=True)
+    """Expand for any batch. ``x: (T, c*R)``, ``weights: (L, out_total, R)`` -> ``(T, out_total)``,
+    accumulated into ``base_output (T, out_total)`` in place when given; semantics of
+    ``LoRABackend.run_lora_b``."""
+    offsets = check_lora_b_inputs(x, weights, batch_info, slice_offsets, base_output)
+    return sgemm_lora_b_graph_fwd(x, weights, batch_info, offsets, base_output,
+                                  kernel=check_graph_kernel(graph_kernel))
