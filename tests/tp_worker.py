@@ -46,7 +46,7 @@ def main(rank: int, world: int, init_method: str) -> None:
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
     tp = TensorParallel.from_distributed()
     ctx = LoRAContext(TorchNativeBackend(), num_slots=3, max_rank=R, dtype=torch.float32, device="cpu")
-    ctx.set_batch_info(build_batch_info(SEQ_LENS, SLOTS, RANKS, SCALINGS, device="cpu"))
+    ctx.backend.prepare_batch(build_batch_info(SEQ_LENS, SLOTS, RANKS, SCALINGS, device="cpu"))
     gen = torch.Generator().manual_seed(0)  # identical on every rank
     H, checked = 16, []
 

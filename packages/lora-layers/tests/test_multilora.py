@@ -49,7 +49,7 @@ def test_lm_head_accepts_every_token_or_the_last_of_each_request():
     from lora_core import build_batch_info
 
     info = build_batch_info([3, 0, 2], [1, 0, None], [0, 3], [0.0, 2.0], device="cpu")
-    ctx.set_batch_info(info)
+    ctx.backend.prepare_batch(info)
     for rows, pruned in [(5, False), (2, True)]:
         hidden = torch.randn(rows, 8, generator=g)
         expected = reference_lm_head(hidden, head.base_layer.weight, head.buffers.a, head.buffers.b, info, pruned)

@@ -4,7 +4,7 @@
 from .models import TinyConfig, TinyDecoder
 from .multilora import MultiLoRA
 from .parallel import TensorParallel
-from .wrappers import (
+from .layers import (
     ColumnParallelLinearWithLoRA,
     EmbeddingWithLoRA,
     LinearWithLoRA,

@@ -17,6 +17,7 @@ from torch import nn
 from lora_core import (
     AdapterSlots,
     BatchInfo,
+    LoRABackend,
     build_batch_info,
     get_backend,
     load_peft_adapter,
@@ -25,8 +26,8 @@ from lora_core import (
 )
 from lora_core.adapters import LoRAModuleWeights
 
+from .layers import EmbeddingWithLoRA, LinearWithLoRA, LoRAContext, WrapTarget, wrap_module
 from .packing import infer_slice_widths
-from .wrappers import EmbeddingWithLoRA, LinearWithLoRA, LMHeadWithLoRA, LoRAContext
 
 __all__ = ["MultiLoRA"]
 
@@ -42,11 +43,16 @@ class MultiLoRA:
         target_modules: names of ``nn.Linear`` / ``nn.Embedding`` submodules to wrap.
         max_loras: adapter slots (adapters loaded at once).
         max_rank: the largest adapter rank accepted.
-        backend: registered backend name (``lora_core.available_backends()``).
+        backend: a registered backend name (``lora_core.available_backends()``), built
+            on ``device`` with its default options, or a backend instance (its options
+            are its own, e.g. ``TorchNativeBackend(device, graph_kernel="blocked")``).
+            The backend holds the current batch.
         packed_modules: fused projections and the adapter modules they hold, e.g.
             ``{"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}``.
         slice_widths: explicit widths of packed modules, when they cannot be inferred.
         lm_head_modules: names wrapped as LM heads (accept every token or one per request).
+        strict_token_ids: embedding layers raise on out-of-vocabulary ids instead of
+            giving them a zero delta (eager calls only).
     """
 
     def __init__(
@@ -56,22 +62,24 @@ class MultiLoRA:
         *,
         max_loras: int = 4,
         max_rank: int = 64,
-        backend: str = "torch_native",
+        backend: str | LoRABackend = "torch_native",
         packed_modules: Mapping[str, Sequence[str]] | None = None,
         slice_widths: Mapping[str, Sequence[int]] | None = None,
         lm_head_modules: Sequence[str] = ("lm_head",),
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        strict_token_ids: bool = False,
     ) -> None:
         param = next(model.parameters(), None)
         device = torch.device(device) if device is not None else (param.device if param is not None else torch.device("cpu"))
         dtype = dtype or (param.dtype if param is not None else torch.float32)
         self.model = model
         self.slots = AdapterSlots(max_loras, max_rank)
-        self.context = LoRAContext(get_backend(backend)(device), num_slots=max_loras, max_rank=max_rank,
-                                   dtype=dtype, device=device)
+        backend_obj = get_backend(backend)(device) if isinstance(backend, str) else backend
+        self.context = LoRAContext(backend_obj, num_slots=max_loras, max_rank=max_rank, dtype=dtype,
+                                   device=device, strict_token_ids=strict_token_ids)
         self.packed_modules = {k: list(v) for k, v in (packed_modules or {}).items()}
-        self._graph_info: BatchInfo | None = None
+        self._graph_mode = False
         self.wrapped: dict[str, Wrapper] = {}
         self._originals: dict[str, nn.Module] = {}
         self._wrap(list(target_modules), dict(slice_widths or {}), set(lm_head_modules))
@@ -94,18 +102,12 @@ class MultiLoRA:
         if missing:
             raise ValueError(f"target_modules {missing} match no submodule of {type(self.model).__name__}")
 
-    def _make_wrapper(self, name: str, last: str, module: nn.Module, slice_widths: dict, lm_heads: set[str]) -> Wrapper:
-        if isinstance(module, nn.Embedding):
-            return EmbeddingWithLoRA(module, self.context)
-        if not isinstance(module, nn.Linear):
-            raise TypeError(f"cannot wrap {name!r}: {type(module).__name__} is neither nn.Linear nor nn.Embedding")
-        if last in lm_heads:
-            return LMHeadWithLoRA(module, self.context)
-        if last in self.packed_modules:
+    def _make_wrapper(self, name: str, last: str, module: nn.Module, slice_widths: dict, lm_heads: set[str]):
+        widths = None
+        if last in self.packed_modules and last not in lm_heads:
             parts = self.packed_modules[last]
-            widths = slice_widths.get(last) or infer_slice_widths(name, module, parts, self.model)
-            return LinearWithLoRA(module, self.context, widths)
-        return LinearWithLoRA(module, self.context)
+            widths = tuple(slice_widths.get(last) or infer_slice_widths(name, module, parts, self.model))
+        return wrap_module(module, self.context, WrapTarget(name, slice_widths=widths, lm_head=last in lm_heads))
 
     def unwrap(self) -> nn.Module:
         """Put the original modules back; returns the model."""
@@ -198,9 +200,14 @@ class MultiLoRA:
         except KeyError as err:
             raise ValueError(err.args[0]) from None
 
+    @property
+    def backend(self) -> LoRABackend:
+        """The backend: it runs the LoRA ops and holds the current batch."""
+        return self.context.backend
+
     def _sync_adapters(self) -> None:
-        if self._graph_info is not None:
-            self._graph_info.set_adapters(self.slots.lora_ranks, self.slots.scalings)
+        if self._graph_mode:
+            self.backend.batch_info.set_adapters(self.slots.lora_ranks, self.slots.scalings)
 
     # ------------------------------------------------------------------ batches
     def set_batch(self, seq_lens: Sequence[int], adapters: Sequence[str | None]) -> BatchInfo:
@@ -209,21 +216,21 @@ class MultiLoRA:
         if len(seq_lens) != len(adapters):
             raise ValueError(f"seq_lens and adapters must have one entry per request; got {len(seq_lens)} and {len(adapters)}")
         slot_ids = [None if a is None else self._slot_of(a) for a in adapters]
-        if self._graph_info is not None:
-            self._graph_info.refill(seq_lens, slot_ids)
-            info = self._graph_info
-        else:
-            info = build_batch_info(seq_lens, slot_ids, self.slots.lora_ranks, self.slots.scalings,
-                                    device=self.context.device, max_rank=self.slots.max_rank)
-        self.context.set_batch_info(info)
+        if self._graph_mode:
+            info = self.backend.batch_info
+            info.refill(seq_lens, slot_ids)  # in place: the backend's plans are refilled with it
+            return info
+        info = build_batch_info(seq_lens, slot_ids, self.slots.lora_ranks, self.slots.scalings,
+                                device=self.context.device, max_rank=self.slots.max_rank)
+        self.backend.prepare_batch(info)
         return info
 
     def enable_graph(self, max_tokens: int) -> BatchInfo:
         """Preallocate a graph-mode batch of ``max_tokens`` rows; afterwards ``set_batch``
         refills it in place so a captured forward replays with new batches. The model
         is then called with exactly ``max_tokens`` rows (padding rows use no adapter)."""
-        info = self.context.backend.init_graph_batch_info(max_tokens, self.slots.lora_ranks, self.slots.scalings)
-        self._graph_info = info
-        self.context.set_batch_info(info)
+        info = self.backend.init_graph_batch_info(max_tokens, self.slots.lora_ranks, self.slots.scalings)
+        self.backend.prepare_batch(info)
+        self._graph_mode = True
         return info
 

@@ -1,0 +1,46 @@
+"""Module wrappers that add a multi-LoRA delta to a base layer through a backend.
+
+One module per layer kind. Each wrapper keeps its base module (``base_layer``),
+owns its stacked LoRA buffers (docs/layout.md) and, in ``forward``, flattens the
+leading dims to ``(T, features)``, runs the base layer and lets the backend
+accumulate the LoRA delta into the base output in place. Adapter weights are
+given unsharded; tensor-parallel wrappers take their shard.
+
+| wrapper | base (local shard) | LoRA A | LoRA B | backend calls | communication |
+|---|---|---|---|---|---|
+| LinearWithLoRA | full | full | full | lora_a, lora_b (qkv, gate_up) | none |
+| ColumnParallelLinearWithLoRA | out rows | full | out rows | lora_a, lora_b | optional all-gather |
+| MergedColumnParallelLinearWithLoRA | gate, up rows | full | rows of each | gate_up | optional all-gather |
+| QKVParallelLinearWithLoRA | q, k, v heads | full | rows of each | qkv | optional all-gather |
+| RowParallelLinearWithLoRA | in columns | in columns | full | lora_a, lora_b | all-reduce x2 |
+| EmbeddingWithLoRA | vocab rows | vocab columns | full | added_tokens, lora_a_embedding, lora_b | all-reduce x2 |
+| LMHeadWithLoRA | vocab rows | full | vocab rows | lm_head | all-gather |
+"""
+
+from .column_parallel import (
+    ColumnParallelLinearWithLoRA,
+    MergedColumnParallelLinearWithLoRA,
+    QKVParallelLinearWithLoRA,
+)
+from .context import LoRAContext, WrapTarget, flatten_tokens
+from .dispatch import LAYER_TYPES, wrap_module
+from .embedding import EmbeddingWithLoRA
+from .linear import LinearWithLoRA, SliceWeights
+from .lm_head import LMHeadWithLoRA
+from .row_parallel import RowParallelLinearWithLoRA
+
+__all__ = [
+    "LAYER_TYPES",
+    "ColumnParallelLinearWithLoRA",
+    "EmbeddingWithLoRA",
+    "LMHeadWithLoRA",
+    "LinearWithLoRA",
+    "LoRAContext",
+    "MergedColumnParallelLinearWithLoRA",
+    "QKVParallelLinearWithLoRA",
+    "RowParallelLinearWithLoRA",
+    "SliceWeights",
+    "WrapTarget",
+    "flatten_tokens",
+    "wrap_module",
+]

@@ -1,0 +1,95 @@
+"""``LinearWithLoRA``: a replicated ``nn.Linear`` (plain, or packed qkv / gate_up)."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from lora_core import LinearLoRABuffers
+
+from ..parallel import TensorParallel
+from .context import LoRAContext, WrapTarget, flatten_tokens
+
+__all__ = ["LinearWithLoRA", "SliceWeights"]
+
+SliceWeights = tuple[torch.Tensor, torch.Tensor]
+"""One slice's ``(A (r, in), B (out, r))``, unsharded, with any per-module scaling ratio folded into B."""
+
+
+class LinearWithLoRA(nn.Module):
+    """A replicated ``nn.Linear`` with LoRA; with 2 or 3 ``slice_widths`` it is a
+    packed gate_up / qkv projection whose adapters come per slice.
+
+    ``forward``: ``x (..., in)`` -> ``base(x) + delta`` of shape ``(..., out)``; the
+    flattened token count must match the backend's batch.
+    """
+
+    def __init__(self, base_layer: nn.Linear, context: LoRAContext, slice_widths: Sequence[int] | None = None,
+                 tp: TensorParallel | None = None) -> None:
+        super().__init__()
+        if not isinstance(base_layer, nn.Linear):
+            raise TypeError(f"{type(self).__name__} wraps an nn.Linear, got {type(base_layer).__name__}")
+        self.base_layer = base_layer
+        self.context = context
+        self.tp = tp or TensorParallel()
+        local = list(slice_widths) if slice_widths is not None else [base_layer.out_features]
+        if sum(local) != base_layer.out_features:
+            raise ValueError(
+                f"slice_widths {local} sum to {sum(local)}, but the base layer has {base_layer.out_features} outputs"
+            )
+        self.buffers = LinearLoRABuffers(num_slots=context.num_slots, max_rank=context.max_rank,
+                                         in_features=base_layer.in_features, slice_widths=local,
+                                         dtype=context.dtype, device=context.device)
+
+    # -- dispatch (lora_layers.layers.dispatch)
+    @classmethod
+    def can_wrap(cls, module: nn.Module, target: WrapTarget) -> bool:
+        return isinstance(module, nn.Linear) and not target.lm_head
+
+    @classmethod
+    def wrap(cls, module: nn.Module, context: LoRAContext, target: WrapTarget) -> LinearWithLoRA:
+        return cls(module, context, target.slice_widths)
+
+    @property
+    def num_slices(self) -> int:
+        return self.buffers.num_slices
+
+    # Tensor-parallel subclasses override these to take their shard of full weights.
+    def _shard_a(self, a: torch.Tensor) -> torch.Tensor:
+        return a
+
+    def _shard_b(self, slice_index: int, b: torch.Tensor) -> torch.Tensor:
+        return b
+
+    def set_lora(self, slot: int, slices: Sequence[SliceWeights | None]) -> None:
+        """Load one adapter: per slice ``(A (r, in), B (out_i, r))`` of the unsharded layer, or ``None``."""
+        if len(slices) != self.num_slices:
+            raise ValueError(f"{type(self).__name__} has {self.num_slices} slice(s), got weights for {len(slices)}")
+        a = [None if s is None else self._shard_a(s[0]) for s in slices]
+        b = [None if s is None else self._shard_b(i, s[1]) for i, s in enumerate(slices)]
+        self.buffers.load(slot, a, b)
+
+    def reset_lora(self, slot: int) -> None:
+        self.buffers.clear(slot)
+
+    def _base(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base_layer(x)
+
+    def _lora(self, x: torch.Tensor, base_output: torch.Tensor) -> torch.Tensor:
+        backend, buf = self.context.backend, self.buffers
+        if self.num_slices == 3:
+            return backend.run_qkv(x, buf.a, buf.b, buf.slice_offsets, base_output)
+        if self.num_slices == 2:
+            return backend.run_gate_up(x, buf.a, buf.b, buf.slice_offsets, base_output)
+        return backend.run_lora_b(backend.run_lora_a(x, buf.a), buf.b, buf.slice_offsets, base_output)
+
+    def _finish(self, out: torch.Tensor) -> torch.Tensor:
+        return out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = flatten_tokens(x, self.base_layer.in_features, type(self).__name__)
+        out = self._finish(self._lora(x2, self._base(x2)))
+        return out.reshape(*lead, out.shape[-1])

@@ -1,0 +1,47 @@
+"""``LMHeadWithLoRA``: the LM head, for every token or the last token of each request."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..parallel import TensorParallel
+from .column_parallel import ColumnParallelLinearWithLoRA
+from .context import LoRAContext, WrapTarget, flatten_tokens
+
+__all__ = ["LMHeadWithLoRA"]
+
+
+class LMHeadWithLoRA(ColumnParallelLinearWithLoRA):
+    """LM head (vocab-parallel ``nn.Linear``) with LoRA; logits are gathered over ranks.
+
+    It receives every token's row (decode, or full logits) or one row per
+    non-empty request (prefill pruning); the backend's ``run_lm_head`` applies
+    each row's adapter through the batch's LM-head view.
+    """
+
+    def __init__(self, base_layer: nn.Linear, context: LoRAContext, tp: TensorParallel | None = None) -> None:
+        super().__init__(base_layer, context, tp or TensorParallel(), gather_output=True)
+
+    @classmethod
+    def can_wrap(cls, module: nn.Module, target: WrapTarget) -> bool:
+        return isinstance(module, nn.Linear) and target.lm_head
+
+    @classmethod
+    def wrap(cls, module: nn.Module, context: LoRAContext, target: WrapTarget) -> LMHeadWithLoRA:
+        return cls(module, context)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden: (..., H)`` with every token's row, or one row per non-empty request."""
+        lead = hidden.shape[:-1]
+        x2 = flatten_tokens(hidden, self.base_layer.in_features, "LMHeadWithLoRA")
+        info = self.context.backend.batch_info
+        pruned = x2.shape[0] != info.num_tokens
+        if pruned and x2.shape[0] != info.lm_head_view(pruned=True).num_tokens:
+            raise ValueError(
+                f"LMHeadWithLoRA got {x2.shape[0]} rows; expected every token ({info.num_tokens}) or the last "
+                f"token of each request ({info.lm_head_view(pruned=True).num_tokens})"
+            )
+        buf = self.buffers
+        out = self.context.backend.run_lm_head(x2, buf.a, buf.b, self._base(x2), pruned=pruned)
+        return self._finish(out).reshape(*lead, -1)
