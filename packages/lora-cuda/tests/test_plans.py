@@ -53,38 +53,49 @@ def _sorted_by_definition(token_slots, ranks):
     return order, ends
 
 
+def _check_static_plans(info, ranks):
+    sorted_plan, blocks = info.plan(SortedPlan), info.plan(BlockPlan)
+    token_slots = info.token_slots_cpu.tolist()
+    order, ends = _sorted_by_definition(token_slots, ranks)
+    assert sorted_plan.sorted_tokens.tolist() == order
+    assert sorted_plan.group_ends.tolist() == ends
+    assert sorted_plan.sorted_ranks.tolist() == [ranks[token_slots[t]] if token_slots[t] >= 0 else 0 for t in order]
+    # blocks: every active token exactly once, in a block of its own slot, with that slot's rank
+    valid = blocks.block_valid
+    tokens = blocks.block_tokens.view(valid.shape)
+    seen = []
+    for j in range(blocks.num_blocks):
+        members = tokens[j][valid[j]].tolist()
+        seen += members
+        assert all(token_slots[t] == int(blocks.block_slots[j]) for t in members)
+        assert int(blocks.block_ranks[j]) == (ranks[token_slots[members[0]]] if members else int(blocks.block_ranks[j]))
+    assert sorted(seen) == [t for t, s in enumerate(token_slots) if s >= 0 and ranks[s] > 0]
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_static_plans_match_their_definition_and_refill_in_place(seed):
     rng = random.Random(seed)
     L, capacity = rng.randint(1, 6), rng.randint(1, 90)
     ranks = [rng.choice([0, 1, 4, 8]) for _ in range(L)]
     info = make_batch_info(*random_requests(rng, capacity, L), ranks, device="cpu", use_graph=True)
-    sorted_plan, blocks = info.plan(SortedPlan), info.plan(BlockPlan)
-    tensors = [sorted_plan.sorted_tokens, sorted_plan.group_ends, blocks.block_tokens, blocks.block_valid]
-    for _ in range(3):
-        lens, slots = random_requests(rng, rng.randint(0, capacity), L)
-        info.refill(lens, slots)
-        assert [sorted_plan.sorted_tokens, sorted_plan.group_ends, blocks.block_tokens, blocks.block_valid] == tensors
-        token_slots = info.token_slots_cpu.tolist()
-        order, ends = _sorted_by_definition(token_slots, ranks)
-        assert sorted_plan.sorted_tokens.tolist() == order
-        assert sorted_plan.group_ends.tolist() == ends
-        expected_ranks = [ranks[token_slots[t]] if token_slots[t] >= 0 else 0 for t in order]
-        assert sorted_plan.sorted_ranks.tolist() == expected_ranks
-        # blocks: every active token exactly once, in a block of its own slot, with that slot's rank
-        valid = blocks.block_valid
-        tokens = blocks.block_tokens.view(valid.shape)
-        seen = []
-        for j in range(blocks.num_blocks):
-            members = tokens[j][valid[j]].tolist()
-            seen += members
-            assert all(token_slots[t] == int(blocks.block_slots[j]) for t in members)
-            if members:
-                assert int(blocks.block_ranks[j]) == ranks[token_slots[members[0]]]
-            else:
-                assert int(blocks.block_ranks[j]) == 0 or j < blocks.num_blocks
-        active = [t for t, s in enumerate(token_slots) if s >= 0 and ranks[s] > 0]
-        assert sorted(seen) == active
+    TorchNativeBackend("cpu", graph_kernel="grouped").prepare_batch(info)
+    view = info.lm_head_view(pruned=True)
+    plans = [info.plan(SortedPlan), info.plan(BlockPlan), view.plan(SortedPlan), view.plan(BlockPlan)]
+    tensors = [(p.sorted_tokens, p.group_ends) if isinstance(p, SortedPlan) else (p.block_tokens, p.block_valid)
+               for p in plans]
+    for step in range(6):
+        if step % 2:  # a decode step: one token per request (the view equals the batch)
+            n = rng.randint(0, capacity)
+            batch = ([1] * n, [rng.choice([None, *range(L)]) for _ in range(n)])
+        else:
+            batch = random_requests(rng, rng.randint(0, capacity), L)
+        info.refill(*batch)
+        assert [info.plan(SortedPlan), info.plan(BlockPlan), view.plan(SortedPlan), view.plan(BlockPlan)] == plans
+        for p, kept in zip(plans, tensors):
+            now = (p.sorted_tokens, p.group_ends) if isinstance(p, SortedPlan) else (p.block_tokens, p.block_valid)
+            assert all(a is b for a, b in zip(now, kept))  # refilled in place
+        _check_static_plans(info, ranks)
+        _check_static_plans(view, ranks)
 
 
 def test_plans_follow_new_adapter_ranks():

@@ -28,8 +28,9 @@ loop runs over tokens, and loops over requests only validate their arguments.
 
 from __future__ import annotations
 
-from typing import Sequence, TypeVar
+from typing import Callable, Sequence, TypeVar
 
+import numpy as np
 import torch
 
 from .checks import check_finite_float, check_int, is_int
@@ -40,16 +41,18 @@ from .staging import StagedTensors
 __all__ = ["BatchInfo", "build_batch_info"]
 
 PlanT = TypeVar("PlanT", bound=BatchPlan)
+T_co = TypeVar("T_co")
 
 _FLOAT32_MAX = torch.finfo(torch.float32).max
+_MAX_TOKENS = 2**31 - 1  # token and segment offsets are int32 on the device
 
 
 class _Requests:
-    """A validated batch description: tokens and slot per request (host tensors, int64)."""
+    """A validated batch description: tokens and slot per request (host NumPy int64 arrays)."""
 
     __slots__ = ("lens", "slots", "num_tokens", "_lens_tuple", "_slots_tuple")
 
-    def __init__(self, lens: torch.Tensor, slots: torch.Tensor, num_tokens: int) -> None:
+    def __init__(self, lens: np.ndarray, slots: np.ndarray, num_tokens: int) -> None:
         self.lens, self.slots, self.num_tokens = lens, slots, num_tokens
         self._lens_tuple: tuple[int, ...] | None = None
         self._slots_tuple: tuple[int, ...] | None = None
@@ -66,25 +69,28 @@ class _Requests:
             self._slots_tuple = tuple(self.slots.tolist())
         return self._slots_tuple
 
+    @property
+    def is_one_token_each(self) -> bool:
+        """Every non-empty request has one token (decode): the pruned LM-head view equals the batch."""
+        return self.num_tokens == 0 or int(self.lens.max()) <= 1
+
     def last_tokens(self) -> _Requests:
         """One single-token request per non-empty request: the rows a pruned LM head receives."""
         slots = self.slots[self.lens > 0]
-        return _Requests(torch.ones_like(slots), slots, slots.numel())
+        return _Requests(np.ones_like(slots), slots, int(slots.size))
 
 
-class _Segments:
-    """Adjacent non-empty requests on one slot merged (host tensors, int64)."""
-
-    __slots__ = ("lens", "slots", "token_slots")
-
-    def __init__(self, requests: _Requests) -> None:
-        keep = requests.lens > 0
-        lens, slots = requests.lens[keep], requests.slots[keep]
-        starts = torch.ones(slots.shape, dtype=torch.bool)
-        starts[1:] = slots[1:] != slots[:-1]
-        self.slots = slots[starts]
-        self.lens = torch.zeros(self.slots.shape, dtype=torch.int64).index_add_(0, starts.cumsum(0) - 1, lens)
-        self.token_slots = self.slots.repeat_interleave(self.lens, output_size=requests.num_tokens)
+def _merge_segments(requests: _Requests) -> tuple[np.ndarray, np.ndarray]:
+    """Adjacent non-empty requests on one slot merged: ``(seg_lens, seg_slots)``, int64."""
+    keep = requests.lens > 0
+    lens, slots = requests.lens[keep], requests.slots[keep]
+    if not lens.size:
+        return lens, slots
+    starts = np.empty(slots.shape, dtype=bool)
+    starts[0] = True
+    np.not_equal(slots[1:], slots[:-1], out=starts[1:])
+    first = np.flatnonzero(starts)
+    return np.add.reduceat(lens, first), slots[first]
 
 
 def _batch_fields(num_segments: int, num_rows: int) -> dict:
@@ -151,6 +157,7 @@ class BatchInfo:
         self.capacity = capacity
         self.num_slots = len(lora_ranks)
         self._plans: dict[type[BatchPlan], BatchPlan] = {}
+        self._derived: dict[str, object] = {}
         self._lm_head_view: BatchInfo | None = None
         self._adapters = StagedTensors(
             {"lora_ranks": ((self.num_slots,), torch.int32), "scalings": ((self.num_slots,), torch.float32)},
@@ -220,6 +227,13 @@ class BatchInfo:
                 self._lm_head_view.plan(plan_type)
         return plan  # type: ignore[return-value]
 
+    def derived(self, key: str, compute: Callable[[BatchInfo], T_co]) -> T_co:
+        """``compute(self)``, memoised until the batch or its adapters change: host-side
+        values that several plans of one batch share (e.g. the rows ordered by slot)."""
+        if key not in self._derived:
+            self._derived[key] = compute(self)
+        return self._derived[key]  # type: ignore[return-value]
+
     @property
     def plan_types(self) -> tuple[type[BatchPlan], ...]:
         """The plans built for this batch so far (only those some kernel asked for)."""
@@ -254,6 +268,7 @@ class BatchInfo:
         self._publish_adapters(ranks, scales)
         if self._lm_head_view is not None:
             self._lm_head_view._publish_adapters(ranks, scales)
+            self._lm_head_view._derived = {}
         self._refill_dependents()
 
     def lm_head_view(self, pruned: bool) -> BatchInfo:
@@ -278,41 +293,59 @@ class BatchInfo:
 
     # -------------------------------------------------------------- internals
     def _publish_adapters(self, lora_ranks: tuple[int, ...], scalings: tuple[float, ...]) -> None:
-        host = self._adapters.host
-        host["lora_ranks"].copy_(torch.tensor(lora_ranks, dtype=torch.int32))
-        host["scalings"].copy_(torch.tensor(scalings, dtype=torch.float32))
+        host = self._adapters.host_arrays
+        host["lora_ranks"][:] = lora_ranks
+        host["scalings"][:] = scalings
         self._adapters.upload()
         self._lora_ranks, self._scalings = tuple(lora_ranks), tuple(scalings)
+        self._derived = {}
 
     def _publish_batch(self, requests: _Requests) -> None:
-        segments = _Segments(requests)
-        S, T = segments.slots.numel(), requests.num_tokens
+        seg_lens, seg_slots = _merge_segments(requests)
+        S, T = seg_lens.size, requests.num_tokens
         if not self.use_graph:
             self._batch = StagedTensors(_batch_fields(S, T), self.device)
-        host = self._batch.host
-        host["seg_lens"][:S] = segments.lens
+        host = self._batch.host_arrays
+        host["seg_lens"][:S] = seg_lens
         host["seg_lens"][S:] = 0
         indptr = host["seg_indptr"]
         indptr[0] = 0
-        indptr[1 : S + 1] = segments.lens.cumsum(0)
+        np.cumsum(seg_lens, out=indptr[1 : S + 1], dtype=np.int32)
         indptr[S + 1 :] = T
-        host["weight_indices"][:S] = segments.slots
+        host["weight_indices"][:S] = seg_slots
         host["weight_indices"][S:] = -1
-        host["token_slots"][:T] = segments.token_slots
+        host["token_slots"][:T] = np.repeat(seg_slots, seg_lens)
         host["token_slots"][T:] = -1
         self._batch.upload()
         self._requests, self._num_segments = requests, S
+        self._derived = {}
         if self.use_graph and self._lm_head_view is not None:
-            self._lm_head_view._publish_batch(requests.last_tokens())
+            self._lm_head_view._publish_view_of(self)
+
+    def _publish_view_of(self, batch: BatchInfo) -> None:
+        """Graph mode: publish the pruned LM-head view of ``batch``. When every request has
+        one token (decode) the view is the same batch: its bytes are copied, not re-planned."""
+        requests = batch._requests.last_tokens()
+        if not batch._requests.is_one_token_each:
+            self._publish_batch(requests)
+            return
+        self._batch.copy_published(batch._batch)
+        self._requests, self._num_segments = requests, batch._num_segments
+        self._derived = batch._derived  # equal host data: the same derived values
 
     def _refill_dependents(self) -> None:
         for plan in self._plans.values():
             plan.refill(self)
-        if self._lm_head_view is not None:
-            if self.use_graph:
-                self._lm_head_view._refill_dependents()
-            else:  # eager: rebuilt from the current batch when next asked for
-                self._lm_head_view = None
+        view = self._lm_head_view
+        if view is None:
+            return
+        if not self.use_graph:  # eager: rebuilt from the current batch when next asked for
+            self._lm_head_view = None
+        elif self._requests.is_one_token_each:
+            for plan_type, plan in view._plans.items():
+                plan.refill_from(view, self._plans[plan_type])
+        else:
+            view._refill_dependents()
 
     def __repr__(self) -> str:
         mode = f"graph, capacity={self.capacity}" if self.use_graph else "eager"
@@ -389,8 +422,8 @@ def _host_values(name: str, values: Sequence) -> list:
 
 
 def _int_values(name: str, values: list, minimum: int, maximum: int | None = None) -> list[int]:
-    """Fast path for plain ints (one pass in C); element-wise checks otherwise."""
-    if values and all(type(v) is int for v in values):
+    """Fast path for plain ints (the type check runs in C); element-wise checks otherwise."""
+    if values and set(map(type, values)) == {int}:
         if min(values) >= minimum and (maximum is None or max(values) <= maximum):
             return values
     return [check_int(f"{name}[{i}]", v, minimum=minimum, maximum=maximum) for i, v in enumerate(values)]
@@ -407,7 +440,7 @@ def _validate_adapters(
         )
     if max_rank is not None:
         max_rank = check_int("max_rank", max_rank, minimum=0)
-    ranks = _int_values("lora_ranks", ranks, 0)
+    ranks = _int_values("lora_ranks", ranks, 0, _MAX_TOKENS)  # int32 on the device
     for slot, rank in enumerate(ranks):
         if max_rank is not None and rank > max_rank:
             raise ValueError(f"lora_ranks[{slot}] = {rank} exceeds max_rank = {max_rank}")
@@ -428,18 +461,17 @@ def _validate_requests(seq_lens: Sequence[int], slot_ids: Sequence[int | None], 
             f"seq_lens and slot_ids must have one entry per request; got {len(lens)} and {len(slots)}"
         )
     lens = _int_values("seq_lens", lens, 0)
-    slots = [-1 if s is None else s for s in slots]
-    if not (slots and all(type(s) is int for s in slots) and min(slots) >= -1 and max(slots) < num_slots):
+    if None in slots:
+        slots = [-1 if s is None else s for s in slots]
+    if not (slots and set(map(type, slots)) == {int} and min(slots) >= -1 and max(slots) < num_slots):
         for i, s in enumerate(slots):
             if not is_int(s) or not -1 <= s < num_slots:
                 raise ValueError(f"slot_ids[{i}] must be None, -1 or a slot in [0, {num_slots}), got {s!r}")
         slots = [int(s) for s in slots]
     total = sum(lens)
-    try:
-        lens_t = torch.tensor(lens, dtype=torch.int64)
-    except RuntimeError as err:  # an int beyond int64
-        raise ValueError(f"seq_lens must fit in int64: {err}") from None
-    return _Requests(lens_t, torch.tensor(slots, dtype=torch.int64), total)
+    if total > _MAX_TOKENS:
+        raise ValueError(f"seq_lens sum to {total} tokens, more than a batch can index (2**31 - 1)")
+    return _Requests(np.array(lens, dtype=np.int64), np.array(slots, dtype=np.int64), total)
 
 
 def _check_capacity(requests: _Requests, capacity: int) -> None:

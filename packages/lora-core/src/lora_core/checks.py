@@ -19,22 +19,16 @@ def is_int(value: object) -> bool:
 
 
 def check_int(name: str, value: object, *, minimum: int | None = None, maximum: int | None = None) -> int:
-    """``value`` as a Python int, or ``ValueError`` naming ``name`` and the accepted range."""
-    if is_int(value):
-        value = int(value)
-        if (minimum is None or value >= minimum) and (maximum is None or value <= maximum):
-            return value
-    if minimum is not None and maximum is not None:
-        expected = f"an int in [{minimum}, {maximum}]"
-    elif minimum == 1:
-        expected = "a positive int"
-    elif minimum is not None:
-        expected = f"an int >= {minimum}"
-    elif maximum is not None:
-        expected = f"an int <= {maximum}"
-    else:
-        expected = "an int"
-    raise ValueError(f"{name} must be {expected}, got {value!r}")
+    """``value`` as a Python int, or ``ValueError`` naming ``name`` and the bound it breaks."""
+    lower = "a positive int" if minimum == 1 else f"an int >= {minimum}" if minimum is not None else "an int"
+    if not is_int(value):
+        raise ValueError(f"{name} must be {lower}, got {value!r}")
+    value = int(value)
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be {lower}, got {value!r}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{name} must be an int <= {maximum}, got {value!r}")
+    return value
 
 
 def check_finite_float(name: str, value: object) -> float:

@@ -43,3 +43,8 @@ class BatchPlan(abc.ABC):
         Semantics: graph mode rewrites the device tensors in place (same objects,
         same addresses, so a captured graph reads the new plan); eager plans may
         rebuild freely."""
+
+    def refill_from(self, batch_info: BatchInfo, twin: BatchPlan) -> None:
+        """Refill for a batch whose host data equals ``twin``'s batch (a decode step's
+        LM-head view): plans that can copy ``twin``'s published data override this."""
+        self.refill(batch_info)

@@ -9,7 +9,7 @@ loop never reads a device tensor. Two plans, chosen once per batch:
   one GEMM per slot and slice, scattered back once. Chosen when it saves GEMMs
   and segments are short (decode batches of many single-token requests).
 
-Only the chosen plan is built, with a few tensor ops on the batch's host
+Only the chosen plan is built, with a few NumPy ops on the batch's host
 mirrors; the Python loop runs over segments or slots, never over tokens.
 """
 
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from lora_core import BatchInfo, BatchPlan
@@ -46,11 +47,6 @@ class TokenGroup:
         return self.end - self.start
 
 
-def _ranks_with_none(batch_info: BatchInfo) -> torch.Tensor:
-    """Per-slot ranks with a trailing 0, so that slot -1 indexes a zero rank."""
-    return torch.cat([batch_info.lora_ranks_cpu.long(), torch.zeros(1, dtype=torch.long)])
-
-
 class ControlPlan(BatchPlan):
     """Token groups for control-flow ops.
 
@@ -66,30 +62,29 @@ class ControlPlan(BatchPlan):
 
     @classmethod
     def build(cls, batch_info: BatchInfo) -> ControlPlan:
-        S = batch_info.num_segments
-        seg_slots = batch_info.weight_indices_cpu[:S].long()
-        seg_lens = batch_info.seg_lens_cpu[:S].long()
-        active = _ranks_with_none(batch_info)[seg_slots] > 0
+        S, L = batch_info.num_segments, batch_info.num_slots
+        seg_slots = batch_info.weight_indices_cpu.numpy()[:S]
+        seg_lens = batch_info.seg_lens_cpu.numpy()[:S]
+        active = np.append(batch_info.lora_ranks_cpu.numpy(), 0)[seg_slots] > 0  # slot -1 -> rank 0
         slots, lens = seg_slots[active], seg_lens[active]
-        per_slot = torch.bincount(slots, weights=lens, minlength=batch_info.num_slots)
-        num_groups, num_slots = int(active.sum()), int((per_slot > 0).sum())
+        per_slot = np.bincount(slots, weights=lens, minlength=L).astype(np.int64)
+        num_groups, num_slots = int(active.sum()), int(np.count_nonzero(per_slot))
         ranks, scalings = batch_info.lora_ranks_host, batch_info.scalings_host
-        by_slot = num_slots < num_groups and float(lens.sum()) / num_groups < SLOT_GROUPING_MAX_MEAN_SEGMENT_LEN
+        by_slot = num_slots < num_groups and int(lens.sum()) / num_groups < SLOT_GROUPING_MAX_MEAN_SEGMENT_LEN
         if not by_slot:
-            starts = batch_info.seg_indptr_cpu[:S][active].tolist()
+            starts = batch_info.seg_indptr_cpu.numpy()[:S][active].tolist()
             groups = tuple(TokenGroup(s, ranks[s], scalings[s], start, start + n)
                            for s, n, start in zip(slots.tolist(), lens.tolist(), starts))
             return cls(False, groups, None)
-        T = batch_info.num_real_tokens
-        token_slots = batch_info.token_slots_cpu[:T].long()
-        key = torch.where(_ranks_with_none(batch_info)[token_slots] > 0, token_slots, batch_info.num_slots)
-        perm = torch.argsort(key, stable=True)[: int(lens.sum())]
+        token_slots = batch_info.token_slots_cpu.numpy()[: batch_info.num_real_tokens]
+        token_active = np.append(batch_info.lora_ranks_cpu.numpy(), 0)[token_slots] > 0
+        perm = np.argsort(np.where(token_active, token_slots, L), kind="stable")[: int(lens.sum())]
         groups, start = [], 0
-        for s, n in enumerate(per_slot.long().tolist()):
+        for s, n in enumerate(per_slot.tolist()):
             if n:
                 groups.append(TokenGroup(s, ranks[s], scalings[s], start, start + n))
                 start += n
-        return cls(True, tuple(groups), perm.to(batch_info.device))
+        return cls(True, tuple(groups), torch.from_numpy(perm).to(batch_info.device))
 
     def refill(self, batch_info: BatchInfo) -> None:
         fresh = self.build(batch_info)  # eager batches only: sizes may change freely

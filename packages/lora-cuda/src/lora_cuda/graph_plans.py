@@ -1,8 +1,8 @@
 """Static-shape plans of the graph-safe kernels: tokens sorted by slot, and token blocks.
 
-Both plans are computed on the host from the batch's mirrors with a few tensor
-ops (a stable sort of token slots, a bincount, a cumsum: no Python loop over
-tokens or segments) and published to the device in one copy. Their shapes
+Both plans are computed on the host from the batch's mirrors with a few NumPy
+ops (a stable sort of the segments by slot, their expansion to rows, a bincount,
+a cumsum: no Python loop over tokens or segments) and published to the device in one copy. Their shapes
 depend only on the batch's row count (the capacity in graph mode) and slot
 count, so in graph mode :meth:`refill` rewrites them in place and a captured
 graph replays on the new batch.
@@ -16,6 +16,7 @@ graph replays on the new batch.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from lora_core import BatchInfo, BatchPlan
@@ -34,19 +35,39 @@ def block_size_for(num_rows: int, num_slots: int) -> int:
 
 
 class _SlotOrder:
-    """Rows of a batch ordered by slot (host tensors): active rows first, by slot, stable."""
+    """Rows of a batch ordered by slot (host NumPy arrays): active rows first, grouped by
+    slot in row order, then the rows without an adapter (slot -1, rank 0, padding).
+
+    Computed per segment, not per token: a segment's rows are contiguous, so the
+    order is the segments sorted by slot, each expanded to its row range.
+    """
 
     def __init__(self, batch_info: BatchInfo) -> None:
-        L = batch_info.num_slots
-        token_slots = batch_info.token_slots_cpu.long()  # (rows,), -1 for no adapter and padding
-        ranks = torch.cat([batch_info.lora_ranks_cpu.long(), torch.zeros(1, dtype=torch.long)])
-        scalings = torch.cat([batch_info.scalings_cpu, torch.zeros(1)])
-        self.row_ranks = ranks[token_slots]  # slot -1 picks the trailing 0
-        active = self.row_ranks > 0
-        self.key = torch.where(active, token_slots, L)
-        self.row_scalings = torch.where(active, scalings[token_slots], 0.0)
-        self.order = torch.argsort(self.key, stable=True)
-        self.counts = torch.bincount(self.key, minlength=L + 1)[:L]  # active rows per slot
+        L, S = batch_info.num_slots, batch_info.num_segments
+        rows, real = batch_info.num_tokens, batch_info.num_real_tokens
+        seg_slots = batch_info.weight_indices_cpu.numpy()[:S].astype(np.int64)
+        seg_lens = batch_info.seg_lens_cpu.numpy()[:S].astype(np.int64)
+        seg_starts = batch_info.seg_indptr_cpu.numpy()[:S].astype(np.int64)
+        ranks = np.append(batch_info.lora_ranks_cpu.numpy().astype(np.int64), 0)  # slot -1 -> rank 0
+        scalings = np.append(batch_info.scalings_cpu.numpy(), np.float32(0))
+        seg_ranks = ranks[seg_slots]
+        active = seg_ranks > 0
+        key = np.where(active, seg_slots, L)
+        if rows > real:  # graph-mode padding rows: one more inactive range
+            key, seg_lens = np.append(key, L), np.append(seg_lens, rows - real)
+            seg_starts, seg_ranks = np.append(seg_starts, real), np.append(seg_ranks, 0)
+            active = np.append(active, False)
+            seg_slots = np.append(seg_slots, -1)
+        by_slot = np.argsort(key, kind="stable")
+        lens = seg_lens[by_slot]
+        self.order = np.arange(rows, dtype=np.int64) + np.repeat(seg_starts[by_slot] - (np.cumsum(lens) - lens), lens)
+        self.row_ranks = np.repeat(np.where(active, seg_ranks, 0)[by_slot], lens)
+        self.row_scalings = np.repeat(np.where(active, scalings[seg_slots], 0)[by_slot], lens)
+        self.counts = np.bincount(key, weights=seg_lens, minlength=L + 1)[:L].astype(np.int64)
+
+
+def _slot_order(batch_info: BatchInfo) -> _SlotOrder:
+    return batch_info.derived("lora_cuda.slot_order", _SlotOrder)
 
 
 class SortedPlan(BatchPlan):
@@ -72,15 +93,18 @@ class SortedPlan(BatchPlan):
     def build(cls, batch_info: BatchInfo) -> SortedPlan:
         return cls(batch_info)
 
+    def refill_from(self, batch_info: BatchInfo, twin: BatchPlan) -> None:
+        self._staged.copy_published(twin._staged)
+
     def refill(self, batch_info: BatchInfo) -> None:
-        order = _SlotOrder(batch_info)
-        host = self._staged.host
-        host["sorted_tokens"].copy_(order.order)
-        host["sorted_ranks"].copy_(order.row_ranks[order.order])
-        host["sorted_scalings"].copy_(order.row_scalings[order.order])
+        order = _slot_order(batch_info)
+        host = self._staged.host_arrays
+        host["sorted_tokens"][:] = order.order
+        host["sorted_ranks"][:] = order.row_ranks
+        host["sorted_scalings"][:] = order.row_scalings
         ends = host["group_ends"]
-        if ends.numel():
-            ends.copy_(order.counts.cumsum(0))
+        if ends.size:
+            np.cumsum(order.counts, out=ends, dtype=np.int32)
             ends[-1] = self.num_rows
         self._staged.upload()
 
@@ -107,6 +131,9 @@ class BlockPlan(BatchPlan):
          self.block_valid) = self._staged.device.values()
         self.refill(batch_info)
 
+    def refill_from(self, batch_info: BatchInfo, twin: BatchPlan) -> None:
+        self._staged.copy_published(twin._staged)
+
     @property
     def gathered_rows(self) -> int:
         """Rows of ``x`` the blocked kernel gathers, ``NB * b``: at most ``rows + L * b``."""
@@ -117,28 +144,27 @@ class BlockPlan(BatchPlan):
         return cls(batch_info)
 
     def refill(self, batch_info: BatchInfo) -> None:
-        host = self._staged.host
+        host = self._staged.host_arrays
         L, b, nb = batch_info.num_slots, self.block_size, self.num_blocks
         if L == 0 or batch_info.num_tokens == 0:  # nothing to plan: every block is padding
-            for t in host.values():
-                t.zero_()
+            for array in host.values():
+                array.fill(0)
             self._staged.upload()
             return
-        order = _SlotOrder(batch_info)
+        order = _slot_order(batch_info)
         counts = order.counts
         blocks_per_slot = (counts + b - 1) // b
-        block_ends = blocks_per_slot.cumsum(0)
-        slot = torch.searchsorted(block_ends, torch.arange(nb), right=True)  # L for padding blocks
+        block_ends = np.cumsum(blocks_per_slot)
+        slot = np.searchsorted(block_ends, np.arange(nb), side="right")  # L for padding blocks
         real = slot < L
-        slot = slot.clamp(max=L - 1)
-        index_in_slot = torch.arange(nb) - (block_ends - blocks_per_slot)[slot]
-        row_in_slot = index_in_slot[:, None] * b + torch.arange(b)[None, :]  # (NB, b)
+        slot = np.minimum(slot, L - 1)
+        index_in_slot = np.arange(nb) - (block_ends - blocks_per_slot)[slot]
+        row_in_slot = index_in_slot[:, None] * b + np.arange(b)[None, :]  # (NB, b)
         valid = real[:, None] & (row_in_slot < counts[slot][:, None])
-        group_start = counts.cumsum(0) - counts
-        position = (group_start[slot][:, None] + row_in_slot).clamp(max=order.order.numel() - 1)
-        host["block_valid"].copy_(valid)
-        host["block_tokens"].view(nb, b).copy_(torch.where(valid, order.order[position], 0))
-        host["block_slots"].copy_(torch.where(real, slot, 0))
-        host["block_ranks"].copy_(torch.where(real, batch_info.lora_ranks_cpu.long()[slot], 0))
-        host["block_scalings"].copy_(torch.where(real, batch_info.scalings_cpu[slot], 0.0))
+        position = np.minimum((np.cumsum(counts) - counts)[slot][:, None] + row_in_slot, order.order.size - 1)
+        host["block_valid"][:] = valid
+        host["block_tokens"].reshape(nb, b)[:] = np.where(valid, order.order[position], 0)
+        host["block_slots"][:] = np.where(real, slot, 0)
+        host["block_ranks"][:] = np.where(real, batch_info.lora_ranks_cpu.numpy()[slot], 0)
+        host["block_scalings"][:] = np.where(real, batch_info.scalings_cpu.numpy()[slot], 0)
         self._staged.upload()
