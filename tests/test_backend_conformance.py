@@ -1,5 +1,5 @@
 """Every registered backend, on every device parameter, against the reference math
-and against each other (SPEC §4). Graph devices capture with batch A and replay B."""
+and against each other (docs/testing.md). Graph devices capture with batch A and replay B."""
 
 import random
 
@@ -85,7 +85,7 @@ def test_embedding_shrink_matches_reference(device, backend_name, dtype, seed):
 @pytest.mark.parametrize("backend_name", BACKENDS)
 @pytest.mark.parametrize("bad_id", ["negative", "v_total", "huge"])
 def test_out_of_vocab_ids_get_exactly_the_base_output(device, backend_name, bad_id):
-    # SPEC §1 bug 3: upstream clamped such ids to the last row (a neighbour's delta) or crashed.
+    # docs/upstream-failures.md, failure 3: upstream clamped such ids to the last row (a neighbour's delta) or crashed.
     V, added, D = 50, 2, 6
     ids = torch.tensor([3, {"negative": -1, "v_total": V + added, "huge": 2**40}[bad_id], 51, V - 1])
     gen = torch.Generator().manual_seed(0)

@@ -1,4 +1,4 @@
-"""lora-ascend must import without torch_npu (SPEC §2)."""
+"""lora-ascend must import without torch_npu (docs/ascend.md)."""
 
 import importlib.util
 import subprocess

@@ -1,7 +1,7 @@
 """torch_native ops against lora_core's reference math on every device parameter.
 
 Eager devices run the control-flow path, graph devices the graph-safe path under
-capture with batch A and replay with a different batch B (SPEC §1 bug 1).
+capture with batch A and replay with a different batch B (docs/upstream-failures.md, failure 1).
 """
 
 import random
