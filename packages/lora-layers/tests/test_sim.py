@@ -12,11 +12,11 @@ SMALL = '{"vocab_size": 64, "hidden_size": 32, "intermediate_size": 48, "num_att
 
 def test_default_workload_passes_on_cpu_devices(capsys, tmp_path):
     code = sim.main(["--device", "cpu", "--device", "cpu-graphsim", "--model-config", SMALL,
-                     "--decode-steps", "2", "--json", str(tmp_path / "r.json")])
+                     "--decode-steps", "2", "--rounds", "3", "--json", str(tmp_path / "r.json")])
     out = capsys.readouterr().out
     assert code == 0, out
     assert "| torch_native | cpu | pass |" in out and "| ascend | cpu-graphsim | pass |" in out
-    assert "safe (strict simulated capture)" in out
+    assert "safe (strict simulated capture)" in out and "median (min–max) over 3 rounds" in out
     rows = json.loads((tmp_path / "r.json").read_text())["rows"]
     assert {r["status"] for r in rows} == {"pass"} and all(r["launches_per_decode_step"] > 0 for r in rows)
 
@@ -29,14 +29,14 @@ def test_unavailable_devices_are_rows_that_say_why(capsys):
 
 def test_a_row_outside_tolerance_fails_the_run(capsys, monkeypatch):
     real = sim.reference_logits
-    monkeypatch.setattr(sim, "reference_logits", lambda *a, **k: real(*a, **k) + 1e-3)
+    monkeypatch.setattr(sim.run, "reference_logits", lambda *a, **k: real(*a, **k) + 1e-3)
     assert sim.main(["--device", "cpu", "--backend", "torch_native", "--model-config", SMALL,
                      "--decode-steps", "1"]) == 1
     assert "| torch_native | cpu | fail |" in capsys.readouterr().out
 
 
 def test_real_adapters_are_served(capsys, tmp_path):
-    config = sim._parse_config(SMALL)
+    config = sim.parse_config(SMALL)
     paths = sim.make_synthetic_adapters(config, tmp_path)
     args = [f"--adapter=mine={paths['r16']}", "--device", "cpu", "--model-config", SMALL, "--decode-steps", "1"]
     assert sim.main(args) == 0
@@ -52,6 +52,8 @@ def test_real_adapters_are_served(capsys, tmp_path):
         (["--device", "tpu"], "unknown device 'tpu'"),
         (["--model-config", "{bad"], "--model-config is neither a JSON file nor inline JSON"),
         (["--model-config", '{"layers": 3}'], "unknown keys ['layers']"),
+        (["--decode-steps", "many"], "argument --decode-steps: invalid int value: 'many'"),
+        (["frobnicate"], "argument command: invalid choice: 'frobnicate'"),
     ],
 )
 def test_bad_input_is_one_line_with_exit_status_2(capsys, args, message):

@@ -1,0 +1,36 @@
+"""``lora-sim``: simulate a multi-LoRA serving run on every installed backend and device.
+
+Serves a workload (:mod:`.workload`) of synthetic or given PEFT adapters
+(:mod:`.adapters`) through :class:`~lora_layers.MultiLoRA` over the modules of
+:mod:`.serving`, on every backend of ``lora_core.available_backends()`` and every
+device of ``lora_core.testing.DEVICE_NAMES``; checks each row against merged fp32
+reference models (:mod:`.reference`) and times it against the base model in
+interleaved rounds (:mod:`.timing`, :mod:`.run`); writes tables, JSON and a plot
+(:mod:`.report`); ``lora-sim bench`` runs the benchmarks registered under the
+``lora_core.benchmarks`` entry points (:mod:`.bench`). The command line, its
+options and exit statuses are in :mod:`.cli` (``lora-sim --help``).
+
+    from lora_layers import sim
+    sim.main(["--device", "cpu"])      # as the lora-sim command, returns the exit status
+"""
+
+from __future__ import annotations
+
+import os
+
+# Before torch where this is the first import; a torch_npu without its driver breaks torch's import.
+os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
+
+from .adapters import make_synthetic_adapters  # noqa: E402
+from .bench import discover_benchmarks, run_benchmarks  # noqa: E402
+from .cli import build_parser, main, parse_adapters, parse_config  # noqa: E402
+from .errors import UsageError  # noqa: E402
+from .reference import merged_reference_models, reference_logits  # noqa: E402
+from .report import format_rows, write_plot  # noqa: E402
+from .run import ROUNDS, SimRow, run_row, run_simulation  # noqa: E402
+from .timing import Interleaved, Spread, machine_info  # noqa: E402
+from .workload import DEFAULT_CONFIG, Workload, default_workload  # noqa: E402
+
+__all__ = ["main", "run_simulation", "SimRow", "Workload", "default_workload"]
+
+_parse_config = parse_config  # the name the module had before it became a package

@@ -1,0 +1,106 @@
+"""``lora-sim``'s outputs: the Markdown tables, the JSON document and the plot."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Any, Callable, Mapping, Sequence
+
+from lora_core.testing import DEVICE_NAMES, probe_device
+
+from ..models import TinyConfig
+from .errors import UsageError
+from .run import SimRow
+from .timing import Spread
+from .workload import Workload
+
+__all__ = ["format_devices", "format_header", "format_rows", "format_spread", "to_json", "write_plot"]
+
+
+def format_spread(spread: Spread, fmt: Callable[[float], str]) -> str:
+    """``median (min–max)``, each number written by ``fmt``."""
+    return f"{fmt(spread.median)} ({fmt(spread.minimum)}–{fmt(spread.maximum)})"
+
+
+def _count(x: float) -> str:
+    return f"{x:,.0f}"
+
+
+def _percent(x: float) -> str:
+    return f"{x:+.0%}"
+
+
+def format_rows(rows: Sequence[SimRow]) -> str:
+    """The results as a Markdown table, one line per row; timed figures as median (min–max) over rounds."""
+    head = ("| backend | device | result | max abs err | prefill tok/s | decode tok/s | LoRA overhead "
+            "| launches/decode step | graph safety |")
+    lines = [head, "|" + "---|" * 9]
+    for r in rows:
+        if r.status in ("skipped", "error") or r.prefill_tokens_per_s is None:
+            lines.append(f"| {r.backend} | {r.device} | {r.status}: {r.reason} | | | | | | |")
+            continue
+        lines.append(
+            f"| {r.backend} | {r.device} | {r.status} | {r.max_abs_error:.1e} "
+            f"| {format_spread(r.prefill_tokens_per_s, _count)} | {format_spread(r.decode_tokens_per_s, _count)} "
+            f"| {format_spread(r.lora_overhead, _percent)} | {r.launches_per_decode_step} | {r.graph_safety} |"
+        )
+    return "\n".join(lines)
+
+
+def format_header(config: TinyConfig, adapters: Sequence[str], workload: Workload, rounds: int,
+                  machine: Mapping[str, Any]) -> str:
+    """The lines printed above the table: what was served, how it was timed, and on what machine."""
+    gpu = f", {machine['cuda_device']}" if "cuda_device" in machine else ""
+    return "\n".join([
+        f"lora-sim: model {config.to_dict()}, adapters {list(adapters)}, "
+        f"{len(workload.prompt_lens)} prompts of {list(workload.prompt_lens)} tokens, "
+        f"{workload.decode_steps} decode steps",
+        f"machine: {machine['cpu']} ({machine['cpu_count']} cores){gpu}, torch {machine['torch']}, "
+        f"{machine['threads']} threads, Python {machine['python']}",
+        f"timings: median (min–max) over {rounds} rounds, the LoRA and the base model interleaved in each",
+    ])
+
+
+def to_json(config: TinyConfig, workload: Workload, rows: Sequence[SimRow], rounds: int,
+            machine: Mapping[str, Any]) -> dict[str, Any]:
+    """The full results as a JSON-able document; each timed figure carries its per-round
+    ``samples`` and each row its raw per-round seconds (``details.seconds``)."""
+    return {"machine": dict(machine), "config": config.to_dict(), "workload": asdict(workload), "rounds": rounds,
+            "rows": [asdict(r) for r in rows]}
+
+
+def format_devices() -> str:
+    """The device matrix: every device name, whether it was found, and what its probe said."""
+    lines = ["| device | found | probe |", "|---|---|---|"]
+    for name in DEVICE_NAMES:
+        probe = probe_device(name)
+        lines.append(f"| {name} | {'yes' if probe.available else 'no'} | {probe.reason} |")
+    return "\n".join(lines)
+
+
+def write_plot(rows: Sequence[SimRow], path: str) -> None:
+    """A PNG of decode tokens/s and LoRA overhead per row, bars at the median and
+    whiskers at min and max. Raises :class:`UsageError` without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise UsageError("--plot needs matplotlib: pip install 'lora-layers[plot]'") from None
+    ran = [r for r in rows if r.status in ("pass", "fail") and r.decode_tokens_per_s is not None]
+    labels = [f"{r.backend}\n{r.device}" for r in ran]
+    fig, axes = plt.subplots(1, 2, figsize=(max(6, 1.6 * len(ran)), 4))
+    panels = [("decode_tokens_per_s", 1, "tab:blue", "decode tokens/s"),
+              ("lora_overhead", 100, "tab:orange", "LoRA overhead vs base model (%, prefill + one decode step)")]
+    for ax, (figure, scale, color, title) in zip(axes, panels):
+        spreads = [getattr(r, figure) for r in ran]
+        low = [scale * (s.median - s.minimum) for s in spreads]
+        high = [scale * (s.maximum - s.median) for s in spreads]
+        ax.bar(labels, [scale * s.median for s in spreads], yerr=[low, high], capsize=3, color=color)
+        ax.set_title(title, fontsize=9)
+        ax.tick_params(axis="x", labelsize=7, labelrotation=20)
+    rounds = ran[0].details.get("rounds") if ran else None
+    fig.suptitle(f"bars: median, whiskers: min–max over {rounds} interleaved rounds", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

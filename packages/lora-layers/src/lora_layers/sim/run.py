@@ -1,0 +1,229 @@
+"""One backend x device row of ``lora-sim``, and the run over all of them.
+
+A row serves the workload through :class:`~lora_layers.MultiLoRA` on one backend
+and device, checks every output against the merged fp32 reference
+(:mod:`.reference`) at the fp32 tolerance of ``lora_core.testing.TOLERANCES``
+(docs/layout.md), and times the model with LoRA against the base model in
+interleaved rounds (:mod:`.timing`).
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Mapping, Sequence
+
+import torch
+
+from lora_core.testing import TOLERANCES, CaptureError, count_launches, make_device, probe_device
+
+from ..models import TinyConfig, TinyDecoder
+from .reference import merged_reference_models, reference_logits
+from .serving import build_multilora
+from .timing import Interleaved, Spread, sync_device
+from .workload import Workload
+
+__all__ = ["ROUNDS", "SimRow", "run_row", "run_simulation"]
+
+ROUNDS = 5
+"""Timed rounds per phase (prefill, decode) by default."""
+
+
+@dataclass
+class SimRow:
+    """The result of one backend on one device.
+
+    ``status`` is ``"pass"`` (every output within tolerance), ``"fail"`` (one is
+    not, or graph capture failed: ``reason``), ``"skipped"`` (the device is absent:
+    ``reason``) or ``"error"`` (the run raised: ``reason``). The three timed
+    figures are :class:`~lora_layers.sim.timing.Spread` over rounds: prefill tokens/s,
+    decode tokens/s (from each round's median step) and the LoRA overhead
+    ``(prefill + one decode step) / (the same on the base model) - 1``.
+    ``details["seconds"]`` holds the raw per-round seconds.
+    """
+
+    backend: str
+    device: str
+    status: str
+    reason: str = ""
+    max_abs_error: float | None = None
+    tolerance: str = ""
+    prefill_tokens_per_s: Spread | None = None
+    decode_tokens_per_s: Spread | None = None
+    lora_overhead: Spread | None = None
+    launches_per_decode_step: int | None = None
+    graph_safety: str = ""
+    details: dict = field(default_factory=dict)
+
+
+class _Check:
+    """Compares outputs with the reference at the fp32 tolerance, keeping the largest error."""
+
+    def __init__(self) -> None:
+        self.rtol, self.atol = TOLERANCES[torch.float32]
+        self.errors: list[float] = []
+        self.ok = True
+
+    def __call__(self, got: torch.Tensor, want: torch.Tensor) -> None:
+        got = got.float().cpu()
+        self.errors.append((got - want).abs().max().item())
+        self.ok = self.ok and bool(torch.isclose(got, want, rtol=self.rtol, atol=self.atol).all())
+
+    @property
+    def max_error(self) -> float:
+        return torch.tensor(self.errors).max().item()  # NaN propagates
+
+    @property
+    def tolerance(self) -> str:
+        return f"fp32 rtol={self.rtol:g} atol={self.atol:g}"
+
+
+def _forward_prefill(model: TinyDecoder, ids: torch.Tensor, last_rows: torch.Tensor) -> torch.Tensor:
+    """Prefill with LM-head pruning: the head sees the last token of each prompt only."""
+    return model.lm_head(model.model(ids).index_select(0, last_rows))
+
+
+def _replayer(static_out: torch.Tensor, replay: Callable[[], None]) -> Callable[[], torch.Tensor]:
+    """A decode step on a graph device: replay the capture, return its static output."""
+
+    def step() -> torch.Tensor:
+        replay()
+        return static_out
+
+    return step
+
+
+def _chunks(values: Sequence[float], size: int) -> list[list[float]]:
+    return [list(values[i : i + size]) for i in range(0, len(values), size)]
+
+
+def _figures(tokens: int, requests: int, prefill: Mapping[str, list[float]],
+             decode: Mapping[str, list[list[float]]]) -> dict[str, Spread]:
+    """Per-round figures from per-round seconds (round ``r`` of prefill pairs with round ``r`` of decode)."""
+    step = [statistics.median(r) for r in decode["lora"]]
+    base_step = [statistics.median(r) for r in decode["base"]]
+    overhead = [(p + s) / (bp + bs) - 1 for p, s, bp, bs in zip(prefill["lora"], step, prefill["base"], base_step)]
+    return {"prefill_tokens_per_s": Spread.of([tokens / s for s in prefill["lora"]]),
+            "decode_tokens_per_s": Spread.of([requests / s for s in step]),
+            "lora_overhead": Spread.of(overhead)}
+
+
+def run_row(backend: str, device_name: str, config: TinyConfig, adapter_paths: Mapping[str, Path],
+            workload: Workload, references: Mapping[str | None, TinyDecoder], rounds: int = ROUNDS) -> SimRow:
+    """Serve ``workload`` with ``backend`` on device ``device_name`` and check and time it.
+
+    Prefill (eager in every mode), then ``rounds`` rounds of the LoRA and the base
+    model, interleaved. Decode: on graph devices the step is captured once; then
+    ``rounds`` rounds of ``workload.decode_steps`` greedy steps from the prefill's
+    tokens, a different adapter mix each step, the LoRA and the base model
+    interleaved step by step. Every timed output is checked.
+    """
+    probe = probe_device(device_name)
+    if not probe.available:
+        return SimRow(backend, device_name, "skipped", reason=probe.reason)
+    device = make_device(device_name)
+    dev = device.torch_device
+    sync = sync_device(torch.device(dev).type)
+    torch.manual_seed(workload.seed)
+    model = TinyDecoder(config).to(dev)
+    base_model = copy.deepcopy(model)
+    mlora = build_multilora(model, config, adapter_paths, backend)
+
+    gen = torch.Generator().manual_seed(workload.seed)
+    lens, adapters = list(workload.prompt_lens), list(workload.adapters)
+    prompt_ids = torch.randint(0, config.vocab_size, (sum(lens),), generator=gen)
+    last_rows = torch.tensor([sum(lens[: i + 1]) - 1 for i in range(len(lens))])
+    check = _Check()
+    B = len(lens)
+    with torch.no_grad():
+        mlora.set_batch(lens, adapters)
+        prompt_dev, last_dev = prompt_ids.to(dev), last_rows.to(dev)
+        want = reference_logits(references, prompt_ids, lens, adapters, last_only=True)
+        prefill = Interleaved(["lora", "base"], sync)
+        calls = {"lora": lambda: _forward_prefill(model, prompt_dev, last_dev),
+                 "base": lambda: _forward_prefill(base_model, prompt_dev, last_dev)}
+        logits = calls["lora"]()  # warm-up
+        calls["base"]()
+        check(logits, want)
+        for _ in range(rounds):
+            check(prefill.round(calls)["lora"], want)
+
+        first_ids = logits.argmax(-1)
+        step_ids = first_ids.clone()
+        if device.is_graph:
+            mlora.enable_graph(B)
+        mlora.set_batch([1] * B, adapters)
+        launches = count_launches(model, step_ids).ops
+        step, verdict = (lambda: model(step_ids)), "eager"
+        if device.is_graph:
+            try:
+                step = _replayer(*device.capture(model, step_ids))
+            except CaptureError as err:
+                return SimRow(backend, device_name, "fail", reason=str(err), graph_safety=f"unsafe: {err}")
+            verdict = "safe (strict simulated capture)" if device_name == "cpu-graphsim" else "captured"
+        wanted: dict[tuple, torch.Tensor] = {}  # rounds repeat the same steps: one reference per input
+
+        def want_step(ids: torch.Tensor, mix: list[str | None]) -> torch.Tensor:
+            key = (tuple(ids.tolist()), tuple(mix))
+            if key not in wanted:
+                wanted[key] = reference_logits(references, ids, [1] * B, mix, last_only=False)
+            return wanted[key]
+
+        decode = Interleaved(["lora", "base"], sync)
+        steps = {"lora": step, "base": lambda: base_model(step_ids)}
+        for fn in steps.values():  # warm-up
+            fn()
+        for _ in range(rounds):
+            step_ids.copy_(first_ids)
+            rotated = list(adapters)
+            for _ in range(workload.decode_steps):
+                rotated = rotated[1:] + rotated[:1]  # a different adapter mix every step
+                mlora.set_batch([1] * B, rotated)
+                out = decode.round(steps)["lora"]
+                check(out, want_step(step_ids.cpu(), rotated))
+                step_ids.copy_(out.argmax(-1))
+    mlora.unwrap()
+    seconds = {"prefill": prefill.samples,
+               "decode_step": {k: _chunks(v, workload.decode_steps) for k, v in decode.samples.items()}}
+    return SimRow(backend, device_name, "pass" if check.ok else "fail", max_abs_error=check.max_error,
+                  tolerance=check.tolerance, launches_per_decode_step=launches, graph_safety=verdict,
+                  details={"rounds": rounds, "seconds": seconds},
+                  **_figures(sum(lens), B, prefill.samples, seconds["decode_step"]))
+
+
+def run_simulation(backends: Sequence[str], devices: Sequence[str], config: TinyConfig,
+                   adapter_paths: Mapping[str, Path], workload: Workload, progress: bool = True,
+                   rounds: int = ROUNDS) -> list[SimRow]:
+    """One :func:`run_row` per backend x device, in that order; a row that raises
+    ``ValueError``/``RuntimeError``/``TypeError`` becomes an ``"error"`` row.
+
+    ``progress``: a progress bar on stderr, when it is a terminal and the run takes
+    more than two seconds.
+    """
+    references = merged_reference_models(TinyDecoder(config), adapter_paths)
+    rows = []
+    jobs = [(b, d) for b in backends for d in devices]
+    started = time.perf_counter()
+    progress = progress and sys.stderr.isatty()
+    for i, (backend, device_name) in enumerate(jobs):
+        if progress and time.perf_counter() - started > 2.0:
+            _progress(i, len(jobs), f"{backend} / {device_name}")
+        try:
+            rows.append(run_row(backend, device_name, config, adapter_paths, workload, references, rounds))
+        except (ValueError, RuntimeError, TypeError) as err:
+            rows.append(SimRow(backend, device_name, "error", reason=f"{type(err).__name__}: {err}"))
+    if progress and time.perf_counter() - started > 2.0:
+        _progress(len(jobs), len(jobs), "done")
+        print(file=sys.stderr)
+    return rows
+
+
+def _progress(done: int, total: int, label: str) -> None:
+    width = 24
+    filled = width * done // total
+    print(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {label:<32}", end="", file=sys.stderr,
+          flush=True)

@@ -1,0 +1,68 @@
+"""Which modules ``lora-sim`` wraps, written once: the target list, the packed map,
+and the :class:`~lora_layers.MultiLoRA` built over them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Mapping
+
+from torch import nn
+
+from ..models import TinyConfig
+from ..multilora import MultiLoRA
+from ..packing import LLAMA_PACKED_MODULES
+
+__all__ = ["ATTENTION", "MAX_RANK", "MLP", "PROJECTIONS", "WHOLE_MODEL", "build_multilora", "module_path",
+           "packed_modules", "packed_module_of", "target_modules"]
+
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP = ("gate_proj", "up_proj", "down_proj")
+PROJECTIONS = ATTENTION + MLP
+"""The per-layer projections, by their PEFT (unfused) names."""
+WHOLE_MODEL = ("embed_tokens", "lm_head")
+"""Modules outside the layers that adapters may target too."""
+MAX_RANK = 64
+"""The largest adapter rank served (the synthetic adapters go up to it)."""
+
+
+def packed_module_of(projection: str) -> str | None:
+    """The fused module holding PEFT module ``projection`` (``"q_proj"`` -> ``"qkv_proj"``), or ``None``."""
+    return next((packed for packed, parts in LLAMA_PACKED_MODULES.items() if projection in parts), None)
+
+
+def module_path(layer: int, projection: str) -> str:
+    """The full name of a layer's projection, e.g. ``model.layers.0.self_attn.q_proj``."""
+    block = "self_attn" if projection in ATTENTION or projection == "qkv_proj" else "mlp"
+    return f"model.layers.{layer}.{block}.{projection}"
+
+
+def target_modules(config: TinyConfig) -> list[str]:
+    """The modules to wrap in a model of ``config``: every projection (its fused
+    module where ``config.fused``), the embedding and the LM head."""
+    names: list[str] = []
+    for projection in PROJECTIONS:
+        name = (packed_module_of(projection) or projection) if config.fused else projection
+        if name not in names:
+            names.append(name)
+    return names + list(WHOLE_MODEL)
+
+
+def packed_modules(config: TinyConfig) -> dict[str, list[str]] | None:
+    """The packed-module map for a model of ``config``: Llama's where fused, else none."""
+    return {k: list(v) for k, v in LLAMA_PACKED_MODULES.items()} if config.fused else None
+
+
+def build_multilora(model: nn.Module, config: TinyConfig, adapter_paths: Mapping[str, Path],
+                    backend: str | None = None) -> MultiLoRA:
+    """Wrap :func:`target_modules` of ``model`` (in place) and load every adapter.
+
+    ``backend`` is a registered backend name (``lora_core.available_backends()``);
+    ``None`` takes :class:`~lora_layers.MultiLoRA`'s default. Raises ``ValueError``
+    when an adapter does not fit the model.
+    """
+    kwargs = {} if backend is None else {"backend": backend}
+    mlora = MultiLoRA(model, target_modules(config), max_loras=max(1, len(adapter_paths)), max_rank=MAX_RANK,
+                      packed_modules=packed_modules(config), **kwargs)
+    for name, path in adapter_paths.items():
+        mlora.load_adapter(name, path)
+    return mlora

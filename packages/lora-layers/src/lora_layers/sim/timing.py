@@ -1,0 +1,110 @@
+"""Stable figures: samples from interleaved rounds, summarised as median and spread.
+
+Wall-clock speed drifts (other work on the machine, frequency scaling), so the
+model with LoRA and the base model it is compared with are timed in the same
+rounds, each once per round, alternating which goes first; a figure is the
+median over rounds, shown with its min-max spread. See docs/benchmarks.md for
+the same method in the op benchmarks.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+
+__all__ = ["Interleaved", "Spread", "machine_info", "sync_device"]
+
+
+@dataclass(frozen=True)
+class Spread:
+    """A figure measured over rounds: its ``median``, the ``minimum`` and ``maximum``
+    over rounds, and the per-round ``samples`` themselves (in round order)."""
+
+    median: float
+    minimum: float
+    maximum: float
+    samples: tuple[float, ...]
+
+    @classmethod
+    def of(cls, samples: Sequence[float]) -> Spread:
+        """The spread of ``samples`` (at least one)."""
+        if not samples:
+            raise ValueError("a spread needs at least one sample")
+        values = tuple(float(s) for s in samples)
+        return cls(statistics.median(values), min(values), max(values), values)
+
+
+class Interleaved:
+    """Times named variants round by round: each :meth:`round` calls every variant
+    once, the one going first rotating from round to round, and appends each
+    call's seconds to ``samples[name]``.
+
+    ``sync`` runs after every call, inside its timing (a device synchronisation,
+    so asynchronous work is counted); ``clock`` returns seconds.
+    """
+
+    def __init__(self, names: Sequence[str], sync: Callable[[], None] = lambda: None,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        if not names:
+            raise ValueError("Interleaved needs at least one variant")
+        self.names = list(names)
+        self.samples: dict[str, list[float]] = {n: [] for n in self.names}
+        self._sync, self._clock, self._rounds = sync, clock, 0
+
+    def order(self) -> list[str]:
+        """The order of the next round's calls."""
+        k = self._rounds % len(self.names)
+        return self.names[k:] + self.names[:k]
+
+    def round(self, calls: Mapping[str, Callable[[], Any]]) -> dict[str, Any]:
+        """Call each variant once (``calls`` holds one callable per name), timed; returns their results."""
+        if set(calls) != set(self.names):
+            raise ValueError(f"a round calls exactly {self.names}, got {sorted(calls)}")
+        results = {}
+        for name in self.order():
+            start = self._clock()
+            results[name] = calls[name]()
+            self._sync()
+            self.samples[name].append(self._clock() - start)
+        self._rounds += 1
+        return results
+
+    def spreads(self) -> dict[str, Spread]:
+        """Seconds per call of each variant over the rounds so far, as a :class:`Spread`."""
+        return {name: Spread.of(samples) for name, samples in self.samples.items()}
+
+
+def sync_device(device_type: str) -> Callable[[], None]:
+    """A function that waits for the queued work of a ``device_type`` (``"cuda"``,
+    ``"npu"``; a no-op on the host)."""
+    if device_type == "cuda":
+        return torch.cuda.synchronize
+    module = getattr(torch, device_type, None) if device_type != "cpu" else None
+    return getattr(module, "synchronize", None) or (lambda: None)
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_info() -> dict[str, Any]:
+    """Where the figures were measured: CPU model and cores, torch version, intra-op
+    threads, Python and OS, and the CUDA device when torch sees one."""
+    info = {"cpu": _cpu_model(), "cpu_count": os.cpu_count(), "torch": torch.__version__,
+            "threads": torch.get_num_threads(), "python": platform.python_version(), "os": platform.platform()}
+    if torch.cuda.is_available():
+        info["cuda_device"] = torch.cuda.get_device_name(0)
+    return info
