@@ -112,6 +112,44 @@ def _figures(tokens: int, requests: int, prefill: Mapping[str, list[float]],
             "lora_overhead": Spread.of(overhead)}
 
 
+def _time_prefill(model: TinyDecoder, base_model: TinyDecoder, ids: torch.Tensor, last_rows: torch.Tensor,
+                  want: torch.Tensor, rounds: int, sync: Callable[[], None],
+                  check: _Check) -> tuple[torch.Tensor, Interleaved]:
+    """A warm-up prefill of each model, then ``rounds`` interleaved rounds; returns the
+    LoRA model's warm-up logits and the timer. Each LoRA output is checked against ``want``."""
+    calls = {"lora": lambda: _forward_prefill(model, ids, last_rows),
+             "base": lambda: _forward_prefill(base_model, ids, last_rows)}
+    logits = calls["lora"]()
+    calls["base"]()
+    check(logits, want)
+    timer = Interleaved(["lora", "base"], sync)
+    for _ in range(rounds):
+        check(timer.round(calls)["lora"], want)
+    return logits, timer
+
+
+def _time_decode(steps: Mapping[str, Callable[[], torch.Tensor]], step_ids: torch.Tensor, first_ids: torch.Tensor,
+                 set_batch: Callable[[list[str | None]], object], want: Callable[[torch.Tensor, list], torch.Tensor],
+                 adapters: Sequence[str | None], decode_steps: int, rounds: int, sync: Callable[[], None],
+                 check: _Check) -> Interleaved:
+    """A warm-up step of each model, then ``rounds`` rounds of ``decode_steps`` greedy
+    steps from ``first_ids`` (written into the static input ``step_ids``), the adapter
+    mix rotated by one request each step; the two models interleaved step by step."""
+    for fn in steps.values():
+        fn()
+    timer = Interleaved(["lora", "base"], sync)
+    for _ in range(rounds):
+        step_ids.copy_(first_ids)
+        rotated = list(adapters)
+        for _ in range(decode_steps):
+            rotated = rotated[1:] + rotated[:1]  # a different adapter mix every step
+            set_batch(rotated)
+            out = timer.round(steps)["lora"]
+            check(out, want(step_ids.cpu(), rotated))
+            step_ids.copy_(out.argmax(-1))
+    return timer
+
+
 def run_row(backend: str, device_name: str, config: TinyConfig, adapter_paths: Mapping[str, Path],
             workload: Workload, references: Mapping[str | None, TinyDecoder], rounds: int = ROUNDS) -> SimRow:
     """Serve ``workload`` with ``backend`` on device ``device_name`` and check and time it.
@@ -135,23 +173,23 @@ def run_row(backend: str, device_name: str, config: TinyConfig, adapter_paths: M
 
     gen = torch.Generator().manual_seed(workload.seed)
     lens, adapters = list(workload.prompt_lens), list(workload.adapters)
-    prompt_ids = torch.randint(0, config.vocab_size, (sum(lens),), generator=gen)
-    last_rows = torch.tensor([sum(lens[: i + 1]) - 1 for i in range(len(lens))])
-    check = _Check()
     B = len(lens)
+    prompt_ids = torch.randint(0, config.vocab_size, (sum(lens),), generator=gen)
+    last_rows = torch.tensor([sum(lens[: i + 1]) - 1 for i in range(B)])
+    check = _Check()
+    wanted: dict[tuple, torch.Tensor] = {}  # rounds repeat the same steps: one reference per input
+
+    def want_step(ids: torch.Tensor, mix: list[str | None]) -> torch.Tensor:
+        key = (tuple(ids.tolist()), tuple(mix))
+        if key not in wanted:
+            wanted[key] = reference_logits(references, ids, [1] * B, mix, last_only=False)
+        return wanted[key]
+
     with torch.no_grad():
         mlora.set_batch(lens, adapters)
-        prompt_dev, last_dev = prompt_ids.to(dev), last_rows.to(dev)
         want = reference_logits(references, prompt_ids, lens, adapters, last_only=True)
-        prefill = Interleaved(["lora", "base"], sync)
-        calls = {"lora": lambda: _forward_prefill(model, prompt_dev, last_dev),
-                 "base": lambda: _forward_prefill(base_model, prompt_dev, last_dev)}
-        logits = calls["lora"]()  # warm-up
-        calls["base"]()
-        check(logits, want)
-        for _ in range(rounds):
-            check(prefill.round(calls)["lora"], want)
-
+        logits, prefill = _time_prefill(model, base_model, prompt_ids.to(dev), last_rows.to(dev), want, rounds,
+                                        sync, check)
         first_ids = logits.argmax(-1)
         step_ids = first_ids.clone()
         if device.is_graph:
@@ -165,27 +203,9 @@ def run_row(backend: str, device_name: str, config: TinyConfig, adapter_paths: M
             except CaptureError as err:
                 return SimRow(backend, device_name, "fail", reason=str(err), graph_safety=f"unsafe: {err}")
             verdict = "safe (strict simulated capture)" if device_name == "cpu-graphsim" else "captured"
-        wanted: dict[tuple, torch.Tensor] = {}  # rounds repeat the same steps: one reference per input
-
-        def want_step(ids: torch.Tensor, mix: list[str | None]) -> torch.Tensor:
-            key = (tuple(ids.tolist()), tuple(mix))
-            if key not in wanted:
-                wanted[key] = reference_logits(references, ids, [1] * B, mix, last_only=False)
-            return wanted[key]
-
-        decode = Interleaved(["lora", "base"], sync)
-        steps = {"lora": step, "base": lambda: base_model(step_ids)}
-        for fn in steps.values():  # warm-up
-            fn()
-        for _ in range(rounds):
-            step_ids.copy_(first_ids)
-            rotated = list(adapters)
-            for _ in range(workload.decode_steps):
-                rotated = rotated[1:] + rotated[:1]  # a different adapter mix every step
-                mlora.set_batch([1] * B, rotated)
-                out = decode.round(steps)["lora"]
-                check(out, want_step(step_ids.cpu(), rotated))
-                step_ids.copy_(out.argmax(-1))
+        decode = _time_decode({"lora": step, "base": lambda: base_model(step_ids)}, step_ids, first_ids,
+                              lambda mix: mlora.set_batch([1] * B, mix), want_step, adapters,
+                              workload.decode_steps, rounds, sync, check)
     mlora.unwrap()
     seconds = {"prefill": prefill.samples,
                "decode_step": {k: _chunks(v, workload.decode_steps) for k, v in decode.samples.items()}}
