@@ -49,7 +49,9 @@ def test_eager_batches_run_the_same_ops_as_graph_batches():
 
 
 class _AllocatedBytes(TorchDispatchMode):
-    """Sums the bytes of every tensor the ops create: an upper bound of the op's peak extra memory."""
+    """Sums the bytes of every tensor the ops create (results written into an ``out=``
+    buffer excluded): with the plan's preallocated buffers, an upper bound of the op's
+    peak extra memory."""
 
     def __init__(self):
         super().__init__()
@@ -57,7 +59,7 @@ class _AllocatedBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if not func.is_view:
+        if not func.is_view and "out" not in (kwargs or {}):
             for t in out if isinstance(out, (tuple, list)) else [out]:
                 if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in self._inputs:
                     self.total += t.numel() * t.element_size()
@@ -79,15 +81,19 @@ def test_peak_memory_of_the_gather_path_is_bounded_at_8192_tokens(kernel):
     plan = info.plan(BlockPlan)
     rows = plan.gathered_rows
     assert rows <= T + L * plan.block_size  # the documented bound
-    with torch.no_grad(), _AllocatedBytes().watch(x, a) as mode:
-        vectorized_lora_a_fwd(x, a, info, c, graph_kernel=kernel)
+    with torch.no_grad():
+        vectorized_lora_a_fwd(x, a, info, c, graph_kernel=kernel)  # creates the plan's tables and workspaces
+        with _AllocatedBytes().watch(x, a) as mode:
+            vectorized_lora_a_fwd(x, a, info, c, graph_kernel=kernel)
+    held = sum(info.plan(p).kernel_memory_bytes for p in info.plan_types)
+    total = mode.total + held
     elem = x.element_size()
     gathered = (rows * in_features + plan.num_blocks * c * R * in_features) * elem  # x blocks + weight blocks
     # the gathered operands dominate; products, masks and the (T, c*R) result are small beside them
-    assert mode.total <= 2 * gathered, (mode.total, gathered)
+    assert total <= 2 * gathered, (mode.total, held, gathered)
     per_token_gather = T * c * R * in_features * elem  # what gathering weights per token would take
-    assert mode.total < per_token_gather / 10
-    print(f"\n{kernel} T={T}: {mode.total / 2**20:.1f} MiB allocated vs {per_token_gather / 2**20:.0f} MiB for per-token gathering")
+    assert total < per_token_gather / 10
+    print(f"\n{kernel} T={T}: {total / 2**20:.1f} MiB allocated or held vs {per_token_gather / 2**20:.0f} MiB for per-token gathering")
 
 
 def test_empty_embedding_weights_give_an_empty_delta():

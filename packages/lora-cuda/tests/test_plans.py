@@ -111,3 +111,43 @@ def test_a_plan_is_never_built_during_a_capture():
     info = make_batch_info([2, 2], [0, 1], [4, 4], device="cpu", use_graph=True)
     with pytest.raises(RuntimeError, match="was not built before the graph capture"):
         GraphSimulator(strict=True).capture(lambda: info.plan(BlockPlan))
+
+
+def test_a_graph_batch_is_captured_with_exactly_its_capacity():
+    # captured with fewer rows, a later batch filling the capacity would index past x on replay
+    from lora_core.testing import GraphSimulator, random_linear_weights
+    from lora_cuda import sgemm_lora_a_fwd
+
+    info = make_batch_info([2, 2], [0, 1], [4, 4], device="cpu", use_graph=True)
+    a, _, _ = random_linear_weights(torch.Generator().manual_seed(0), num_slots=2, max_rank=4, in_features=8,
+                                    slice_widths=[8], lora_ranks=[4, 4], dtype=torch.float32, device="cpu")
+    TorchNativeBackend("cpu").prepare_batch(info)
+    with pytest.raises(ValueError, match="exactly its capacity"):
+        GraphSimulator(strict=True).capture(lambda x: sgemm_lora_a_fwd(x, a, info), torch.randn(3, 8))
+
+
+def test_set_adapters_keeps_the_max_rank_of_the_batch():
+    info = build_batch_info([1], [0], [4], [1.0], device="cpu", use_graph=True, max_tokens=4, max_rank=8)
+    with pytest.raises(ValueError, match=r"lora_ranks\[0\] = 9 exceeds max_rank = 8"):
+        info.set_adapters([9], [1.0])
+    assert info.lora_ranks.tolist() == [4]
+
+
+@pytest.mark.parametrize("kernel", ["grouped", "blocked"])
+@pytest.mark.parametrize("case", ["no rows", "no slots"])
+def test_static_kernels_handle_empty_batches_and_no_slots(kernel, case):
+    from lora_cuda import sgemm_lora_a_embedding_fwd, sgemm_lora_a_fwd, sgemm_lora_b_fwd
+
+    ranks = [4] if case == "no rows" else []
+    seq, slots = ([0, 0], [0, None]) if case == "no rows" else ([3], [None])
+    info = build_batch_info(seq, slots, ranks, [1.0] * len(ranks), device="cpu")
+    T, L = sum(seq), len(ranks)
+    x, base = torch.randn(T, 8), torch.randn(T, 6)
+    y = sgemm_lora_a_fwd(x, torch.randn(L, 8, 8), info, 2, graph_safe=True, graph_kernel=kernel)
+    assert y.shape == (T, 8) and not y.any()
+    out = sgemm_lora_b_fwd(y, torch.randn(L, 6, 4), info, [0, 3, 6], base.clone(), graph_safe=True,
+                           graph_kernel=kernel)
+    torch.testing.assert_close(out, base)
+    emb = sgemm_lora_a_embedding_fwd(torch.zeros(T, dtype=torch.long), torch.randn(L, 4, 10), info, 10,
+                                     graph_safe=True)
+    assert emb.shape == (T, 4) and not emb.any()

@@ -111,3 +111,11 @@ def test_unwrap_restores_the_original_modules():
     assert model.model.layers[0].self_attn.q_proj is not original
     mlora.unwrap()
     assert model.model.layers[0].self_attn.q_proj is original
+
+
+def test_a_backend_instance_must_live_where_the_model_does():
+    model = TinyDecoder(CONFIG)
+    with pytest.raises(ValueError, match="backend runs on meta but the model's LoRA buffers live on cpu"):
+        MultiLoRA(model, ["q_proj"], backend=TorchNativeBackend("meta"))
+    mlora = MultiLoRA(model, ["q_proj"], backend=TorchNativeBackend("cpu", graph_kernel="blocked"))
+    assert mlora.backend.graph_kernel == "blocked"

@@ -1,6 +1,6 @@
 """Benchmarks of the vectorized ops against a per-segment loop, side by side in one process.
 
-* embedding shrink: one 3-D gather vs a loop over segments (``F.embedding`` per
+* embedding shrink: one flat gather vs a loop over segments (``F.embedding`` per
   segment, scaling read with ``.item()``), at 1, 8 and 64 segments;
 * shrink + expand: vectorized vs the same per-segment loop and the dense floor
   of :mod:`lora_cuda.bench`, at 1, 8 and 64 segments over 8 slots.

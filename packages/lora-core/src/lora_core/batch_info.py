@@ -151,8 +151,10 @@ class BatchInfo:
         device: torch.device,
         use_graph: bool,
         capacity: int | None,
+        max_rank: int | None = None,
     ) -> None:
         self.device = device
+        self.max_rank = max_rank
         self.use_graph = use_graph
         self.capacity = capacity
         self.num_slots = len(lora_ranks)
@@ -260,7 +262,7 @@ class BatchInfo:
 
         A rejected call changes nothing.
         """
-        ranks, scales = _validate_adapters(lora_ranks, scalings, max_rank=None)
+        ranks, scales = _validate_adapters(lora_ranks, scalings, max_rank=self.max_rank)
         if len(ranks) != self.num_slots:
             raise ValueError(
                 f"lora_ranks has {len(ranks)} slots; this BatchInfo was built for {self.num_slots}"
@@ -285,7 +287,7 @@ class BatchInfo:
             if is_capturing():
                 raise RuntimeError("the pruned LM-head view was not built before the graph capture")
             view = BatchInfo(self._requests.last_tokens(), self._lora_ranks, self._scalings, device=self.device,
-                             use_graph=self.use_graph, capacity=self.capacity)
+                             use_graph=self.use_graph, capacity=self.capacity, max_rank=self.max_rank)
             for plan_type in self._plans:
                 view.plan(plan_type)
             self._lm_head_view = view
@@ -388,7 +390,8 @@ def build_batch_info(
         _check_capacity(requests, max_tokens)
     elif max_tokens is not None:
         raise ValueError("max_tokens is only meaningful with use_graph=True")
-    info = BatchInfo(requests, ranks, scales, device=device, use_graph=bool(use_graph), capacity=max_tokens)
+    info = BatchInfo(requests, ranks, scales, device=device, use_graph=bool(use_graph), capacity=max_tokens,
+                     max_rank=max_rank)
     if use_graph:
         info.lm_head_view(pruned=True)  # preallocated now: never built during a capture
     return info

@@ -65,8 +65,14 @@ def _check_same(name: str, t: torch.Tensor, ref_name: str, ref: torch.Tensor) ->
 
 
 def check_num_tokens(batch_info: BatchInfo, num_rows: int, name: str = "x") -> None:
-    """Rows given to an op must match the batch (or fit the graph-mode capacity)."""
+    """Rows given to an op must match the batch (or fit the graph-mode capacity; exactly the
+    capacity while a graph is captured, since later batches may fill it)."""
     if batch_info.use_graph:
+        if is_capturing() and num_rows != batch_info.capacity:
+            raise ValueError(
+                f"{name} has {num_rows} rows while a graph is captured; a graph-mode batch is captured with "
+                f"exactly its capacity ({batch_info.capacity} rows), which later batches may fill"
+            )
         if not batch_info.num_real_tokens <= num_rows <= batch_info.capacity:
             raise ValueError(
                 f"{name} has {num_rows} rows; the graph batch info holds {batch_info.num_real_tokens} "

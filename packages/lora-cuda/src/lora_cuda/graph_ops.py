@@ -94,41 +94,32 @@ def graph_plan_types(preference: str, device: torch.device) -> tuple[type, ...]:
     return (SortedPlan, BlockPlan)
 
 
-def _sorted_row_mask(plan: SortedPlan, max_rank: int, num_slices: int) -> torch.Tensor:
-    """``(T, c*R)`` bool for sorted rows: the column is within the row's slot rank (0 without adapter)."""
-    cols = torch.arange(max_rank, device=plan.sorted_ranks.device)
-    return (cols[None, :] < plan.sorted_ranks[:, None]).repeat(1, num_slices)
-
-
-def _block_row_mask(plan: BlockPlan, max_rank: int, num_slices: int) -> torch.Tensor:
-    """``(NB, b, c*R)`` bool: the row is a real token and the column is within its slot's rank."""
-    cols = torch.arange(max_rank, device=plan.block_ranks.device)
-    in_rank = (cols[None, :] < plan.block_ranks[:, None]).repeat(1, num_slices)  # (NB, c*R)
-    return plan.block_valid[:, :, None] & in_rank[:, None, :]
-
-
 def sgemm_lora_a_graph_fwd(
     x: torch.Tensor, weights: torch.Tensor, batch_info: BatchInfo, num_slices: int = 1, *, kernel: str = "auto"
 ) -> torch.Tensor:
     """Scaled shrink. ``x: (T, in)``, ``weights: (L, c*R, in)`` -> ``(T, c*R)`` in ``x.dtype``;
     ``kernel`` is a preference of :data:`GRAPH_KERNELS`."""
     T, in_features = x.shape
-    cR = weights.shape[1]
+    L, cR = weights.shape[:2]
+    out = x.new_zeros(T, cR)
+    if T == 0 or L == 0 or cR == 0:  # static shapes: nothing to compute, whatever the batch
+        return out
+    R = cR // num_slices
     if graph_kernel(batch_info, T, weights, in_features, cR, preference=kernel) == "grouped":
         plan = batch_info.plan(SortedPlan)
         order = plan.sorted_tokens
-        ys = torch._grouped_mm(x.index_select(0, order), weights.transpose(1, 2), offs=plan.group_ends)
-        scaled = ys * plan.sorted_scalings[:, None]
-        ys = torch.where(_sorted_row_mask(plan, cR // num_slices, num_slices), scaled, 0).to(x.dtype)
-        return x.new_zeros(T, cR).index_add_(0, order, ys)
+        scales, mask = plan.column_tables(R, num_slices)
+        xs = torch.index_select(x, 0, order, out=plan.workspace((T, in_features), x.dtype, x.device))
+        ys = torch._grouped_mm(xs, weights.transpose(1, 2), offs=plan.group_ends)
+        return out.index_add_(0, order, torch.where(mask, ys * scales, 0).to(x.dtype))
     plan = batch_info.plan(BlockPlan)
     nb, b = plan.num_blocks, plan.block_size
-    xb = x.index_select(0, plan.block_tokens).view(nb, b, in_features)
-    wb = weights.index_select(0, plan.block_slots)  # (NB, c*R, in)
-    yb = torch.bmm(xb, wb.transpose(1, 2))  # (NB, b, c*R)
-    scaled = yb * plan.block_scalings.view(nb, 1, 1)
-    yb = torch.where(_block_row_mask(plan, cR // num_slices, num_slices), scaled, 0).to(x.dtype)
-    out = x.new_zeros(T, cR)
+    scales, mask = plan.column_tables(R, num_slices)
+    xb = torch.index_select(x, 0, plan.block_tokens, out=plan.workspace((nb * b, in_features), x.dtype, x.device))
+    wb = torch.index_select(weights, 0, plan.block_slots,
+                            out=plan.workspace((nb, cR, in_features), weights.dtype, weights.device))
+    yb = torch.bmm(xb.view(nb, b, in_features), wb.transpose(1, 2))  # (NB, b, c*R)
+    yb = torch.where(mask, yb * scales, 0).to(x.dtype)
     return out.index_add_(0, plan.block_tokens, yb.view(nb * b, cR))
 
 
@@ -144,15 +135,18 @@ def sgemm_lora_b_graph_fwd(
     """Expand. ``x: (T, c*R)``, ``weights: (L, out_total, R)`` -> ``(T, out_total)``,
     accumulated into ``base_output`` in place when given; ``kernel`` as for the shrink."""
     T, cR = x.shape
-    R, out_total = weights.shape[2], slice_offsets[-1]
+    L, R, out_total = weights.shape[0], weights.shape[2], slice_offsets[-1]
     num_slices = len(slice_offsets) - 1
     out = base_output if base_output is not None else x.new_zeros(T, out_total)
+    if T == 0 or L == 0 or R == 0:  # static shapes: nothing to add, whatever the batch
+        return out
     strides = (R, out_total * R, *(o * R for o in slice_offsets[1:-1]), *slice_offsets[1:])
     if graph_kernel(batch_info, T, weights, *strides, preference=kernel) == "grouped":
         plan = batch_info.plan(SortedPlan)
         order = plan.sorted_tokens
+        _, mask = plan.column_tables(R, num_slices)
         # rows without an adapter (rank 0) are zeroed here, so the last group's GEMM gives them 0
-        ys = torch.where(_sorted_row_mask(plan, R, num_slices), x.index_select(0, order), 0)
+        ys = torch.where(mask, x.index_select(0, order), 0)
         parts = [
             torch._grouped_mm(ys[:, i * R : (i + 1) * R].contiguous(),
                               weights[:, slice_offsets[i] : slice_offsets[i + 1]].transpose(1, 2),
@@ -162,9 +156,10 @@ def sgemm_lora_b_graph_fwd(
         return out.index_add_(0, order, parts[0] if num_slices == 1 else torch.cat(parts, dim=1))
     plan = batch_info.plan(BlockPlan)
     nb, b = plan.num_blocks, plan.block_size
-    yb = x.index_select(0, plan.block_tokens).view(nb, b, cR)
-    yb = torch.where(_block_row_mask(plan, R, num_slices), yb, 0)
-    wb = weights.index_select(0, plan.block_slots)  # (NB, out_total, R)
+    _, mask = plan.column_tables(R, num_slices)
+    yb = torch.where(mask, x.index_select(0, plan.block_tokens).view(nb, b, cR), 0)
+    wb = torch.index_select(weights, 0, plan.block_slots,
+                            out=plan.workspace((nb, out_total, R), weights.dtype, weights.device))
     if num_slices == 1:
         delta = torch.bmm(yb, wb.transpose(1, 2))
     else:
@@ -184,6 +179,8 @@ def sgemm_lora_a_embedding_graph_fwd(
     """Scaled embedding shrink by one 3-D gather. ``ids: (T,)`` integer,
     ``weights: (L, R, V_total)`` -> ``(T, R)``; ids outside ``[0, num_valid_ids)`` get zeros."""
     T, R = ids.shape[0], weights.shape[1]
+    if T == 0 or weights.shape[0] == 0:
+        return weights.new_zeros(T, R)
     slots = batch_info.token_slots[:T]
     valid = (slots >= 0) & (ids >= 0) & (ids < num_valid_ids)
     safe_slots = torch.where(valid, slots, 0).long()

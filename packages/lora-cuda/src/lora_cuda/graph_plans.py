@@ -70,7 +70,70 @@ def _slot_order(batch_info: BatchInfo) -> _SlotOrder:
     return batch_info.derived("lora_cuda.slot_order", _SlotOrder)
 
 
-class SortedPlan(BatchPlan):
+class _KernelTables:
+    """What a plan keeps for its kernels per layer shape, on the device.
+
+    * column tables, per ``(R, c)``: for every planned row and every one of the
+      ``c*R`` columns, the row's slot scaling where the column is within the slot's
+      rank (else 0), and that mask as bool. Recomputed on the device after each
+      refill, so a kernel reads one table instead of rebuilding the mask per call;
+    * workspaces, per ``(shape, dtype)``: preallocated buffers for gathered
+      operands, so a call neither allocates nor page-faults them afresh.
+
+    Both are created on first use. During a graph capture that is allowed: the
+    table is then also computed inside the graph, from the plan's device tensors,
+    so a replay reads the refilled batch either way.
+    """
+
+    def __init__(self) -> None:
+        self._tables: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._workspaces: dict[tuple, torch.Tensor] = {}
+
+    def _row_ranks_and_scalings(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        raise NotImplementedError
+
+    def column_tables(self, max_rank: int, num_slices: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(scales, mask)`` of shape ``rows x c*R`` (float32, bool) for this plan's rows."""
+        key = (max_rank, num_slices)
+        tables = self._tables.get(key)
+        if tables is None:
+            ranks, _, _ = self._row_ranks_and_scalings()
+            shape = (*ranks.shape, max_rank * num_slices)
+            tables = self._tables[key] = (torch.empty(shape, device=ranks.device),
+                                          torch.empty(shape, dtype=torch.bool, device=ranks.device))
+            self._fill_tables(key, tables)
+        return tables
+
+    def workspace(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A preallocated buffer of ``shape`` and ``dtype``, shared by calls of one shape."""
+        key = (tuple(shape), dtype, device)
+        buffer = self._workspaces.get(key)
+        if buffer is None:
+            buffer = self._workspaces[key] = torch.empty(shape, dtype=dtype, device=device)
+        return buffer
+
+    @property
+    def kernel_memory_bytes(self) -> int:
+        """Bytes held by the column tables and workspaces created so far."""
+        tensors = [t for pair in self._tables.values() for t in pair] + list(self._workspaces.values())
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def _refresh_tables(self) -> None:
+        for key, tables in self._tables.items():
+            self._fill_tables(key, tables)
+
+    def _fill_tables(self, key: tuple[int, int], tables: tuple[torch.Tensor, torch.Tensor]) -> None:
+        max_rank, num_slices = key
+        scales, mask = tables
+        ranks, scalings, valid = self._row_ranks_and_scalings()
+        cols = torch.arange(max_rank, device=ranks.device).repeat(num_slices)
+        torch.lt(cols, ranks[..., None], out=mask)
+        if valid is not None:
+            mask &= valid[..., None]
+        torch.mul(mask, scalings[..., None], out=scales)
+
+
+class SortedPlan(_KernelTables, BatchPlan):
     """Rows sorted by slot for grouped GEMMs (``rows`` = the batch info's ``num_tokens``).
 
     Device tensors: ``sorted_tokens (rows,)`` int64, ``sorted_ranks (rows,)`` int32,
@@ -80,6 +143,7 @@ class SortedPlan(BatchPlan):
     """
 
     def __init__(self, batch_info: BatchInfo) -> None:
+        super().__init__()
         self.num_rows, L = batch_info.num_tokens, batch_info.num_slots
         self._staged = StagedTensors(
             {"sorted_tokens": ((self.num_rows,), torch.int64), "sorted_ranks": ((self.num_rows,), torch.int32),
@@ -95,6 +159,10 @@ class SortedPlan(BatchPlan):
 
     def refill_from(self, batch_info: BatchInfo, twin: BatchPlan) -> None:
         self._staged.copy_published(twin._staged)
+        self._refresh_tables()
+
+    def _row_ranks_and_scalings(self):
+        return self.sorted_ranks, self.sorted_scalings, None
 
     def refill(self, batch_info: BatchInfo) -> None:
         order = _slot_order(batch_info)
@@ -107,9 +175,10 @@ class SortedPlan(BatchPlan):
             np.cumsum(order.counts, out=ends, dtype=np.int32)
             ends[-1] = self.num_rows
         self._staged.upload()
+        self._refresh_tables()
 
 
-class BlockPlan(BatchPlan):
+class BlockPlan(_KernelTables, BatchPlan):
     """Token blocks for the blocked kernel: ``NB = ceil(rows / b) + L`` blocks of ``b`` rows.
 
     Device tensors: ``block_slots (NB,)`` int64, ``block_ranks (NB,)`` int32,
@@ -118,6 +187,7 @@ class BlockPlan(BatchPlan):
     """
 
     def __init__(self, batch_info: BatchInfo) -> None:
+        super().__init__()
         rows, L = batch_info.num_tokens, batch_info.num_slots
         self.block_size = b = block_size_for(rows, L)
         self.num_blocks = nb = -(-rows // b) + L
@@ -133,6 +203,12 @@ class BlockPlan(BatchPlan):
 
     def refill_from(self, batch_info: BatchInfo, twin: BatchPlan) -> None:
         self._staged.copy_published(twin._staged)
+        self._refresh_tables()
+
+    def _row_ranks_and_scalings(self):
+        nb = self.num_blocks
+        return (self.block_ranks[:, None].expand(nb, self.block_size),
+                self.block_scalings[:, None].expand(nb, self.block_size), self.block_valid)
 
     @property
     def gathered_rows(self) -> int:
@@ -150,6 +226,7 @@ class BlockPlan(BatchPlan):
             for array in host.values():
                 array.fill(0)
             self._staged.upload()
+            self._refresh_tables()
             return
         order = _slot_order(batch_info)
         counts = order.counts
@@ -168,3 +245,4 @@ class BlockPlan(BatchPlan):
         host["block_ranks"][:] = np.where(real, batch_info.lora_ranks_cpu.numpy()[slot], 0)
         host["block_scalings"][:] = np.where(real, batch_info.scalings_cpu.numpy()[slot], 0)
         self._staged.upload()
+        self._refresh_tables()

@@ -76,6 +76,11 @@ class MultiLoRA:
         self.model = model
         self.slots = AdapterSlots(max_loras, max_rank)
         backend_obj = get_backend(backend)(device) if isinstance(backend, str) else backend
+        backend_device = getattr(backend_obj, "device", device)
+        if backend_device.type != device.type or (None not in (backend_device.index, device.index)
+                                                 and backend_device.index != device.index):
+            raise ValueError(f"backend runs on {backend_device} but the model's LoRA buffers live on {device}; "
+                             f"build the backend with device={str(device)!r}")
         self.context = LoRAContext(backend_obj, num_slots=max_loras, max_rank=max_rank, dtype=dtype,
                                    device=device, strict_token_ids=strict_token_ids)
         self.packed_modules = {k: list(v) for k, v in (packed_modules or {}).items()}
