@@ -1,4 +1,4 @@
-"""Device parametrization for every test in the repository (SPEC §5).
+"""Device parametrization for every test in the repository (docs/testing.md).
 
 A test that takes the ``device`` fixture runs once per device parameter in
 ``lora_core.testing.DEVICE_NAMES``. Absent hardware is skipped with the probe's
@@ -17,6 +17,10 @@ os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 import pytest  # noqa: E402
 
 from lora_core.testing import DEVICE_NAMES, make_device, probe_device  # noqa: E402
+
+# --device-report PATH: this run's probes and outcomes as JSON, for the device matrix across
+# hosts (python -m lora_core.testing.matrix; docs/device-matrix.md).
+pytest_plugins = ["lora_core.testing.report"]
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -1,0 +1,61 @@
+"""The package structure of docs/architecture.md, checked on the source.
+
+Dependencies point down: lora-core imports no other lora-kit package; the two
+backends import lora-core, and lora-ascend also lora-cuda (its one documented
+edge: it reuses lora-cuda's static shrink/expand kernels); lora-layers imports
+lora-core only and finds backends and benchmarks through entry points.
+"""
+
+import ast
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = {"lora_core": "lora-core", "lora_cuda": "lora-cuda", "lora_ascend": "lora-ascend",
+            "lora_layers": "lora-layers"}
+ALLOWED = {
+    "lora_core": set(),
+    "lora_cuda": {"lora_core"},
+    "lora_ascend": {"lora_core", "lora_cuda"},
+    "lora_layers": {"lora_core"},
+}
+
+
+def _imported_packages(path: Path) -> set[str]:
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module]
+        else:
+            continue
+        found |= {n.split(".")[0] for n in names if n.split(".")[0] in PACKAGES}
+    return found
+
+
+@pytest.mark.parametrize("package", sorted(PACKAGES))
+def test_dependencies_point_down(package):
+    src = ROOT / "packages" / PACKAGES[package] / "src" / package
+    edges = {}
+    for path in sorted(src.rglob("*.py")):
+        others = _imported_packages(path) - {package}
+        if others - ALLOWED[package]:
+            edges[str(path.relative_to(ROOT))] = sorted(others - ALLOWED[package])
+    assert not edges, f"imports that break the package diagram of docs/architecture.md: {edges}"
+
+
+def test_lora_layers_declares_only_what_it_imports():
+    text = (ROOT / "packages/lora-layers/pyproject.toml").read_text()
+    assert "lora-ascend" not in text.split("[project.optional-dependencies]")[0]
+
+
+def test_the_repository_stands_on_its_own():
+    # the design contract lives in docs/: nothing cites a specification outside the repository
+    word = "SP" + "EC"  # spelt apart so that this file does not cite it
+    files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    citing = [f for f in files if f.endswith((".py", ".md", ".toml", ".ini", ".sh", ".txt"))
+              and word in (ROOT / f).read_text(errors="ignore")]
+    assert citing == [], f"files citing {word}: {citing}"
