@@ -29,6 +29,3 @@ def test_the_sim_subpackage_imports_no_backend_package_by_name():
                  if name.split(".")[0] in BACKEND_PACKAGES]
     assert offenders == []
 
-
-def test_the_sim_subpackage_cites_docs_not_the_spec():
-    assert [f.name for f in SIM.rglob("*.py") if "SPEC" in f.read_text()] == []

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import os
 
-# Before torch where this is the first import; a torch_npu without its driver breaks torch's import.
+# A torch_npu without its driver breaks `import torch` unless this is set first. It only helps when
+# torch is not imported yet, and lora_layers/__init__.py imports it before this runs: set it there.
 os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 
 from .adapters import make_synthetic_adapters  # noqa: E402
