@@ -1,0 +1,218 @@
+"""``--device-report`` and ``python -m lora_core.testing.matrix``, end to end.
+
+Tiny test files run in a pytest subprocess with the repository's own root conftest.py
+(the shared ``device`` fixture and its options), once per device selection, as a CPU
+runner and a hardware host would; their reports are then merged.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from importlib.util import find_spec
+from pathlib import Path
+
+import pytest
+
+from lora_core.testing import DEVICE_NAMES, probe_device
+from lora_core.testing.matrix import SCHEMA, load_report, main, merge, render
+from lora_core.testing.report import strip_device_id
+
+ROOT_CONFTEST = Path(__file__).resolve().parents[3] / "conftest.py"
+
+TINY = '''
+import pytest
+
+def test_on_every_device(device):
+    assert device.name
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_with_a_second_parameter(device, n):
+    assert n > 0
+
+def test_without_a_device():
+    pass
+
+def test_that_skips():
+    pytest.skip("not today")
+'''
+
+BROKEN = '''
+def test_broken(device):
+    assert device.name == "no such device"
+'''
+
+
+def _absent_device() -> str | None:
+    return next((d for d in DEVICE_NAMES if not probe_device(d).available), None)
+
+
+def _pytest(project: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "PYTHONPATH"))}
+    env["TORCH_DEVICE_BACKEND_AUTOLOAD"] = "0"
+    return subprocess.run([sys.executable, "-m", "pytest", *args], cwd=project, env=env,
+                          capture_output=True, text=True, timeout=900)
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A directory with the root conftest.py and the tiny test files."""
+    root = tmp_path_factory.mktemp("project")
+    shutil.copy(ROOT_CONFTEST, root / "conftest.py")
+    (root / "pytest.ini").write_text("[pytest]\naddopts = -p no:cacheprovider\n")
+    (root / "test_tiny.py").write_text(TINY)
+    (root / "broken").mkdir()
+    (root / "broken" / "test_broken.py").write_text(BROKEN)
+    return root
+
+
+@pytest.fixture(scope="module")
+def two_runs(project: Path) -> tuple[Path, Path]:
+    """A CPU run (with a device that is absent here, if any) and a cpu-graphsim run."""
+    cpu, graphsim = project / "cpu.json", project / "graphsim.json"
+    absent = _absent_device()
+    extra = ["--device", absent] if absent else []
+    workers = ["-n", "2"] if find_spec("xdist") else []  # the report must survive xdist
+    first = _pytest(project, "test_tiny.py", "--device", "cpu", *extra, "--device-report", str(cpu), *workers)
+    assert first.returncode == 0, first.stdout + first.stderr
+    second = _pytest(project, "test_tiny.py", "--device", "cpu-graphsim", "--device-report", str(graphsim))
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert f"lora-kit device report: {graphsim}" in second.stdout
+    return cpu, graphsim
+
+
+def test_report_holds_the_host_the_probes_and_each_test_x_device(two_runs):
+    data = json.loads(two_runs[0].read_text())
+    assert data["schema"] == SCHEMA and data["host"] and data["python"] and data["torch"]
+    assert {"cuda", "driver", "gpus", "torch_npu"} <= set(data)
+    assert [p["name"] for p in data["devices"]] == list(DEVICE_NAMES)
+    for probe in data["devices"]:
+        expected = probe_device(probe["name"])
+        assert (probe["available"], probe["reason"]) == (expected.available, expected.reason)
+    tests = {(t["test"], t["device"]): t for t in data["tests"]}
+    assert tests[("test_tiny.py::test_on_every_device", "cpu")]["outcome"] == "passed"
+    assert tests[("test_tiny.py::test_with_a_second_parameter[2]", "cpu")]["nodeid"] == \
+        "test_tiny.py::test_with_a_second_parameter[cpu-2]"
+    assert tests[("test_tiny.py::test_without_a_device", None)]["outcome"] == "passed"
+    skipped = tests[("test_tiny.py::test_that_skips", None)]
+    assert (skipped["outcome"], skipped["reason"]) == ("skipped", "not today")
+    assert not any(device == "cpu-graphsim" for _, device in tests), "deselected devices are not in the report"
+    absent = _absent_device()
+    if absent:
+        assert data["selected_devices"] == [d for d in DEVICE_NAMES if d in ("cpu", absent)]
+        entry = tests[("test_tiny.py::test_on_every_device", absent)]
+        assert entry["outcome"] == "skipped"
+        assert entry["reason"] == f"{absent} unavailable: {probe_device(absent).reason}"
+    assert data["exit_status"] == 0 and data["counts"]["passed"] >= 4
+
+
+def test_merged_matrix_shows_each_device_and_where_it_ran(two_runs, capsys):
+    cpu, graphsim = two_runs
+    assert main([str(cpu), str(graphsim), "--output", str(cpu.with_name("matrix.md"))]) == 0
+    out = capsys.readouterr().out
+    host = json.loads(cpu.read_text())["host"]
+    assert out == cpu.with_name("matrix.md").read_text()
+    header = "| test | " + " | ".join(DEVICE_NAMES) + " |"
+    assert header in out
+    row = next(line for line in out.splitlines() if line.startswith("| `test_tiny.py::test_on_every_device` |"))
+    cells = [c.strip() for c in row.strip("|").split("|")][1:]
+    assert cells[:2] == [f"passed ({host})", f"passed ({host})"]
+    assert f"- `cpu`: ran on {host} (" in out and f"- `cpu-graphsim`: ran on {host} (" in out
+    for name in DEVICE_NAMES:
+        probe = probe_device(name)
+        if not probe.available:
+            assert f"- `{name}`: never ran: {host}: absent: {probe.reason}" in out
+    assert "**Result: pass**" in out
+
+
+def test_require_fails_when_a_device_never_passed_anywhere(two_runs, capsys):
+    cpu, graphsim = two_runs
+    assert main([str(cpu), str(graphsim), "--require", "cpu", "--require", "cpu-graphsim"]) == 0
+    capsys.readouterr()
+    absent = _absent_device()
+    if absent is None:
+        pytest.skip("every device parameter is present on this host")
+    assert main([str(cpu), str(graphsim), "--require", absent]) == 1
+    captured = capsys.readouterr()
+    assert f"--require {absent}: never passed on any host" in captured.err
+    assert "**Result: FAIL**" in captured.out
+
+
+def test_failures_anywhere_fail_the_merge(project, two_runs, capsys):
+    report = project / "broken.json"
+    args = ["broken/test_broken.py", "--device", "cpu", "--device-report", str(report)]
+    absent = _absent_device()
+    if absent:
+        args += ["--require-device", absent]
+    run = _pytest(project, *args)
+    assert run.returncode == 1, run.stdout + run.stderr
+    tests = {(t["test"], t["device"]): t for t in json.loads(report.read_text())["tests"]}
+    failed = tests[("broken/test_broken.py::test_broken", "cpu")]
+    assert failed["outcome"] == "failed" and "no such device" in failed["reason"]
+    if absent:
+        required = tests[("broken/test_broken.py::test_broken", absent)]
+        assert required["outcome"] == "error" and required["reason"].startswith(f"Failed: --require-device {absent}")
+    assert main([str(two_runs[0]), str(report)]) == 1
+    captured = capsys.readouterr()
+    assert "## Failures" in captured.out and "`broken/test_broken.py::test_broken` on `cpu`" in captured.out
+    assert "failed or errored" in captured.err
+
+
+def _write(path: Path, data: object) -> str:
+    path.write_text(data if isinstance(data, str) else json.dumps(data))
+    return str(path)
+
+
+@pytest.mark.parametrize(("content", "message"), [
+    (None, "no such file"),
+    ("{not json", "not JSON"),
+    ({"schema": "other"}, "not a lora-kit device report"),
+    ({"schema": SCHEMA, "host": "h", "devices": [], "tests": [{"test": "t", "device": None, "outcome": "meh"}]},
+     "tests[0] needs"),
+    ({"schema": SCHEMA, "host": "h", "devices": [{"reason": "x"}], "tests": []}, "devices[0] is not a probe"),
+])
+def test_bad_input_is_one_line_and_exit_status_2(tmp_path, capsys, content, message):
+    path = str(tmp_path / "missing.json") if content is None else _write(tmp_path / "r.json", content)
+    assert main([path]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1 and path in err
+
+
+def test_unknown_required_device_is_bad_input(tmp_path, capsys):
+    path = _write(tmp_path / "r.json", {"schema": SCHEMA, "host": "h", "devices": [
+        {"name": "cpu", "available": True, "reason": "r"}], "tests": []})
+    assert main([path, "--require", "cdua"]) == 2
+    assert "--require cdua: no report knows this device (known: cpu)" in capsys.readouterr().err
+
+
+def test_command_line_never_prints_a_traceback(tmp_path):
+    run = subprocess.run([sys.executable, "-m", "lora_core.testing.matrix", _write(tmp_path / "r.json", "[]")],
+                         capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"})
+    assert run.returncode == 2 and "Traceback" not in run.stderr
+    assert run.stderr.strip().splitlines() == [
+        f"python -m lora_core.testing.matrix: error: {tmp_path / 'r.json'}: not a lora-kit device report "
+        f"(schema 'list', expected '{SCHEMA}'; write one with pytest --device-report PATH)"]
+
+
+def test_a_pytest_run_that_exited_non_zero_fails_the_merge(tmp_path):
+    path = _write(tmp_path / "r.json", {"schema": SCHEMA, "host": "h", "exit_status": 5, "devices": [],
+                                        "tests": []})
+    matrix = merge([load_report(path)])
+    assert "pytest exited 5" in render(matrix)
+
+
+@pytest.mark.parametrize(("nodeid", "device_name", "key"), [
+    ("t.py::test_x[cpu-graphsim-0-linear]", "cpu-graphsim", "t.py::test_x[0-linear]"),
+    ("t.py::test_x[cpu-huge-torch_native]", "cpu", "t.py::test_x[huge-torch_native]"),
+    ("t.py::test_x[0-cuda-graph]", "cuda-graph", "t.py::test_x[0]"),
+    ("t.py::test_x[a-npu-b]", "npu", "t.py::test_x[a-b]"),
+    ("t.py::test_y[cuda]", "cuda", "t.py::test_y"),
+    ("t.py::test_z", None, "t.py::test_z"),
+    ("t.py::test_z[1-2]", None, "t.py::test_z[1-2]"),
+])
+def test_strip_device_id(nodeid, device_name, key):
+    assert strip_device_id(nodeid, device_name) == key
