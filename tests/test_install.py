@@ -1,0 +1,141 @@
+"""Every package installs alone from its wheel into a fresh venv, imports, and runs its README.
+
+The wheels come from ``ci/wheels.sh`` and are installed by ``ci/install-wheels.sh``
+exactly as the README's per-package install path says: our four names only from the
+wheel directory, everything else (torch pinned by ci/constraints.txt, numpy,
+safetensors) from pip's normal configuration. Each venv holds one package and what
+its pyproject declares, so a module missing from a wheel, an undeclared dependency,
+or a broken entry point fails here, not on a user's machine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tomllib
+import venv
+from pathlib import Path
+
+import pytest
+from filelock import FileLock  # a dependency of torch
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("lora-core", "lora-cuda", "lora-ascend", "lora-layers")
+PIP_TIMEOUT_S = 1800  # a hang guard for a slow index, not a timing assertion
+
+# Runs inside the fresh venv: what got installed, from where, and every entry point loaded.
+PROBE = r"""
+import importlib, json, sys
+from importlib import metadata
+
+import lora_core
+
+module = importlib.import_module(sys.argv[1].replace("-", "_"))
+installed, entry_points = [], []
+for name in ("lora-core", "lora-cuda", "lora-ascend", "lora-layers"):
+    try:
+        dist = metadata.distribution(name)
+    except metadata.PackageNotFoundError:
+        continue
+    installed.append(name)
+    for ep in dist.entry_points:
+        ep.load()
+        entry_points.append(f"{ep.group}:{ep.name}")
+backends = lora_core.available_backends()
+for backend in backends:
+    lora_core.get_backend(backend)
+print(json.dumps({"file": module.__file__, "installed": installed, "backends": backends,
+                  "entry_points": sorted(entry_points)}))
+"""
+
+
+def _pyproject(package: str) -> dict:
+    return tomllib.loads((ROOT / "packages" / package / "pyproject.toml").read_text())["project"]
+
+
+def _local_closure(package: str) -> list[str]:
+    """``package`` and the lora-kit packages it depends on, transitively (from the pyprojects)."""
+    seen, todo = [], [package]
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.append(name)
+        for req in _pyproject(name).get("dependencies", []):
+            dep = re.match(r"[A-Za-z0-9._-]+", req).group(0).lower().replace("_", "-")
+            if dep in PACKAGES:
+                todo.append(dep)
+    return sorted(seen, key=PACKAGES.index)
+
+
+def _first_python_block(package: str) -> str | None:
+    readme = (ROOT / "packages" / package / "README.md").read_text()
+    match = re.search(r"^```python[ \t]*\n(.*?)^```", readme, re.S | re.M)
+    return match.group(1) if match else None
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
+    env["TORCH_DEVICE_BACKEND_AUTOLOAD"] = "0"
+    return env
+
+
+def _run(cmd: list[str], cwd: Path, **env: str) -> subprocess.CompletedProcess:
+    """Run ``cmd`` (with ``env`` added to the environment); fail the test with its output if it fails."""
+    result = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, env={**_env(), **env},
+                            timeout=PIP_TIMEOUT_S)
+    assert result.returncode == 0, (
+        f"{' '.join(map(str, cmd))} exited {result.returncode}\n"
+        f"--- stdout\n{result.stdout[-6000:]}\n--- stderr\n{result.stderr[-6000:]}"
+    )
+    return result
+
+
+@pytest.fixture(scope="session")
+def wheel_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The four wheels, built by ``ci/wheels.sh`` once per pytest run (xdist workers share them)."""
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent  # this run's directory, above the per-worker ones
+    dist = base / "lora-kit-wheels"
+    with FileLock(f"{dist}.lock"):
+        if not (dist / "constraints.txt").is_file():
+            dist.mkdir(exist_ok=True)
+            _run(["bash", str(ROOT / "ci" / "wheels.sh"), str(dist)], cwd=dist, PYTHON=sys.executable)
+    assert sorted(p.name.split("-")[0] for p in dist.glob("*.whl")) == sorted(p.replace("-", "_") for p in PACKAGES)
+    return dist
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_wheel_installs_alone_in_a_fresh_venv(package: str, wheel_dir: Path, tmp_path: Path) -> None:
+    env_dir = tmp_path / "venv"
+    venv.EnvBuilder(with_pip=True).create(env_dir)
+    python = env_dir / "bin" / "python"
+    try:
+        # --no-compile: no .pyc for torch's thousands of modules, which halves the install time
+        _run(["bash", str(ROOT / "ci" / "install-wheels.sh"), "--dist", str(wheel_dir), package, "--no-compile"],
+             cwd=tmp_path, PYTHON=str(python))
+
+        closure = _local_closure(package)
+        probe = json.loads(_run([str(python), "-c", PROBE, package], cwd=tmp_path).stdout.strip().splitlines()[-1])
+        assert probe["installed"] == closure, "the venv holds exactly the package and its declared lora-kit deps"
+        assert Path(probe["file"]).is_relative_to(env_dir), f"imported from {probe['file']}, not the venv"
+        expected_backends = sorted(
+            name for dep in closure
+            for name in _pyproject(dep).get("entry-points", {}).get("lora_core.backends", {})
+        )
+        assert probe["backends"] == expected_backends
+        for script in (s for dep in closure for s in _pyproject(dep).get("scripts", {})):
+            _run([str(env_dir / "bin" / script), "--help"], cwd=tmp_path)
+
+        code = _first_python_block(package)
+        if code is None:
+            pytest.skip(f"installed, imported, backends {probe['backends']}; "
+                        f"packages/{package}/README.md has no ```python block to run yet")
+        _run([str(python), "-c", code], cwd=tmp_path)
+    finally:
+        shutil.rmtree(env_dir, ignore_errors=True)  # about 1 GB each, mostly torch
