@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# The GPU host job, for a host that already has a CUDA build of torch (>= 2.4), pytest, peft
+# and transformers, and no network:
+#   bash ci/gpu.sh [--dry-run] [OUTDIR]      OUTDIR: default $OUT, else ./gpu-out
+# 1. checks that torch is a CUDA build >= 2.4 and that pytest imports;
+# 2. installs the four packages into that python ($PYTHON, default python3), editable, with
+#    pip install --no-deps --no-build-isolation --no-index: nothing is downloaded, nothing
+#    already installed changes; the build uses the host's setuptools (>= 68);
+# 3. runs the tests on cuda and cuda-graph (failing, not skipping, if either is absent) and
+#    writes OUTDIR/gpu-report.json; device-less tests run too, except tests/test_install.py,
+#    which builds fresh venvs from a package index that this host cannot reach;
+# 4. runs the op benchmarks, python -m lora_cuda.bench, with JSON in OUTDIR/bench-cuda.json.
+# Exit status: the first failing step's. --dry-run prints each command (shell-quoted, as run)
+# and runs nothing. Merge gpu-report.json with the other hosts' reports: docs/device-matrix.md.
+# CI never runs this script for real (tests/test_ci_scripts.py checks the dry run).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+PACKAGES=(lora-core lora-cuda lora-ascend lora-layers)
+dry=0
+if [ "${1:-}" = "--dry-run" ]; then dry=1; shift; fi
+[ $# -le 1 ] || { echo "usage: bash ci/gpu.sh [--dry-run] [OUTDIR]" >&2; exit 2; }
+out=${1:-${OUT:-gpu-out}}
+case "$out" in /*) ;; *) out=$PWD/$out ;; esac
+
+status=0
+run() {  # print the command; run it unless --dry-run; remember the first failure
+  printf '+'; printf ' %q' "$@"; printf '\n'
+  [ "$dry" = 1 ] && return 0
+  "$@" || { rc=$?; echo "ci/gpu.sh: exit status $rc from: ${*:1:4} ..." >&2; [ "$status" != 0 ] || status=$rc; }
+}
+
+run "$PYTHON" -c 'import sys, torch, pytest
+major, minor = (int(p) for p in torch.__version__.split(".")[:2])
+if torch.version.cuda is None or (major, minor) < (2, 4):
+    sys.exit(f"ci/gpu.sh needs a CUDA build of torch >= 2.4; found torch {torch.__version__} (CUDA {torch.version.cuda})")
+print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, pytest {pytest.__version__}")'
+[ "$status" = 0 ] || exit "$status"
+editables=()
+for pkg in "${PACKAGES[@]}"; do editables+=(-e "packages/$pkg"); done
+run "$PYTHON" -m pip install --no-deps --no-build-isolation --no-index "${editables[@]}"
+[ "$status" = 0 ] || exit "$status"
+run mkdir -p "$out"
+run env TORCH_DEVICE_BACKEND_AUTOLOAD=0 "$PYTHON" -m pytest \
+  --device cuda --device cuda-graph --require-device cuda --require-device cuda-graph \
+  --device-report "$out/gpu-report.json" --ignore=tests/test_install.py
+bench=(env TORCH_DEVICE_BACKEND_AUTOLOAD=0 "$PYTHON" -m lora_cuda.bench --json "$out/bench-cuda.json")
+if grep -q -- '"--device"' packages/lora-cuda/src/lora_cuda/bench.py; then
+  bench+=(--device cuda)
+else
+  echo "ci/gpu.sh: note: python -m lora_cuda.bench has no --device option, so its timings are of CPU tensors"
+fi
+run "${bench[@]}"
+exit "$status"

@@ -1,0 +1,168 @@
+"""The ci/ scripts, checked on CPU without running anything expensive.
+
+``ci/gpu.sh --dry-run`` prints the GPU host job's commands: each option it passes must
+exist (pytest parses the exact argument list here, with --collect-only) and each module
+it runs must be importable. ``ci/install_stamp.py`` must change its hash exactly when an
+install would change what pip does. ``ci/wheels.sh`` and ``ci/install-wheels.sh`` reject
+bad arguments with one line.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("lora-core", "lora-cuda", "lora-ascend", "lora-layers")
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
+    return {**env, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0", **extra}
+
+
+@pytest.fixture(scope="module")
+def gpu_commands(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[list[str]], str]:
+    """The dry run's commands (argument lists), its output directory and its full stdout."""
+    out = tmp_path_factory.mktemp("gpu-out")
+    run = subprocess.run(["bash", "ci/gpu.sh", "--dry-run", str(out)], cwd=ROOT, capture_output=True, text=True,
+                         env=_env(PYTHON=sys.executable), timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+    commands = [shlex.split(line[2:]) for line in run.stdout.splitlines() if line.startswith("+ ")]
+    assert not any(out.iterdir()), "a dry run writes nothing"
+    return out, commands, run.stdout
+
+
+def _command(commands: list[list[str]], *words: str) -> list[str]:
+    matches = [c for c in commands if all(w in c for w in words)]
+    assert len(matches) == 1, f"expected one command with {words}, got {matches}"
+    return matches[0]
+
+
+def _strip_env(command: list[str]) -> list[str]:
+    """``env VAR=1 python ...`` -> ``python ...``, checking the autoload switch is set."""
+    assert command[:2] == ["env", "TORCH_DEVICE_BACKEND_AUTOLOAD=0"], command
+    return command[2:]
+
+
+def test_gpu_dry_run_installs_the_four_packages_offline_without_deps(gpu_commands):
+    _, commands, _ = gpu_commands
+    pip = _command(commands, "pip", "install")
+    assert pip[:4] == [sys.executable, "-m", "pip", "install"]
+    assert {"--no-deps", "--no-build-isolation", "--no-index"} <= set(pip)
+    editable = [pip[i + 1] for i, word in enumerate(pip) if word == "-e"]
+    assert editable == [f"packages/{p}" for p in PACKAGES]
+    assert all((ROOT / path / "pyproject.toml").is_file() for path in editable)
+
+
+def test_gpu_dry_run_pytest_requires_cuda_and_cuda_graph_and_writes_a_report(gpu_commands, tmp_path):
+    out, commands, _ = gpu_commands
+    pytest_cmd = _strip_env(_command(commands, "pytest"))
+    assert pytest_cmd[:3] == [sys.executable, "-m", "pytest"]
+    args = pytest_cmd[3:]
+    pairs = list(zip(args, args[1:]))
+    for pair in [("--device", "cuda"), ("--device", "cuda-graph"), ("--require-device", "cuda"),
+                 ("--require-device", "cuda-graph"), ("--device-report", str(out / "gpu-report.json"))]:
+        assert pair in pairs, f"{pair} missing from {args}"
+    # pytest itself parses the exact argument list: every option and choice exists in conftest.py
+    report = tmp_path / "collect.json"
+    args = [a if a != str(out / "gpu-report.json") else str(report) for a in args]
+    run = subprocess.run([sys.executable, "-m", "pytest", *args, "--collect-only", "-q", "-p", "no:xdist"], cwd=ROOT,
+                         capture_output=True, text=True, env=_env(), timeout=600)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    data = json.loads(report.read_text())
+    assert data["selected_devices"] == ["cuda", "cuda-graph"] and data["required_devices"] == ["cuda", "cuda-graph"]
+
+
+def test_gpu_dry_run_benchmarks_lora_cuda_with_options_it_has(gpu_commands):
+    out, commands, _ = gpu_commands
+    bench = _strip_env(_command(commands, "lora_cuda.bench"))
+    assert bench[:3] == [sys.executable, "-m", "lora_cuda.bench"]
+    assert importlib.util.find_spec("lora_cuda.bench") is not None
+    assert ("--json", str(out / "bench-cuda.json")) in list(zip(bench, bench[1:]))
+    help_text = subprocess.run([sys.executable, "-m", "lora_cuda.bench", "--help"], capture_output=True, text=True,
+                               env=_env(), timeout=300, check=True).stdout
+    for option in (a for a in bench[3:] if a.startswith("--")):
+        assert option in help_text, f"lora_cuda.bench has no {option} option"
+    if "--device" in help_text:
+        assert ("--device", "cuda") in list(zip(bench, bench[1:]))
+
+
+def test_gpu_dry_run_checks_for_a_cuda_torch_first(gpu_commands):
+    _, commands, _ = gpu_commands
+    check = commands[0]
+    assert check[:2] == [sys.executable, "-c"] and "torch.version.cuda is None" in check[2]
+    result = subprocess.run(check, capture_output=True, text=True, env=_env(), timeout=300)
+    import torch
+
+    if torch.version.cuda is None:
+        assert result.returncode != 0 and "needs a CUDA build of torch" in result.stderr
+    else:
+        assert result.returncode == 0, result.stderr
+
+
+def test_gpu_script_rejects_extra_arguments():
+    run = subprocess.run(["bash", "ci/gpu.sh", "a", "b"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and run.stderr.strip() == "usage: bash ci/gpu.sh [--dry-run] [OUTDIR]"
+
+
+@pytest.fixture
+def stamp_tree(tmp_path: Path) -> Path:
+    """A copy of what ci/install_stamp.py reads."""
+    for name in ("ci/install.sh", "ci/install_stamp.py", "ci/constraints.txt", "tests/requirements.txt"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(ROOT / name, tmp_path / name)
+    for package in PACKAGES:
+        (tmp_path / "packages" / package / "src" / package.replace("-", "_")).mkdir(parents=True)
+        shutil.copy(ROOT / "packages" / package / "pyproject.toml", tmp_path / "packages" / package)
+    return tmp_path
+
+
+def _stamp(tree: Path, **env: str) -> str:
+    return subprocess.run([sys.executable, "ci/install_stamp.py", *PACKAGES], cwd=tree, capture_output=True,
+                          text=True, env={**_env(), "TORCH_INDEX_URL": "", **env}, check=True, timeout=60).stdout.strip()
+
+
+def test_install_stamp_changes_exactly_when_an_install_would(stamp_tree):
+    base = _stamp(stamp_tree)
+    assert _stamp(stamp_tree) == base
+    (stamp_tree / "packages/lora-core/src/lora_core/new_module.py").write_text("")
+    (stamp_tree / "packages/lora-core/src/lora_core.egg-info").mkdir()
+    assert _stamp(stamp_tree) == base, "new modules and egg-info need no reinstall (src/ is on sys.path)"
+    assert _stamp(stamp_tree, TORCH_INDEX_URL="https://download.pytorch.org/whl/cpu") != base
+    (stamp_tree / "packages/lora-core/src/lora_core_extra").mkdir()
+    with_top_level = _stamp(stamp_tree)
+    assert with_top_level != base
+    pyproject = stamp_tree / "packages/lora-cuda/pyproject.toml"
+    pyproject.write_text(pyproject.read_text() + "\n# an entry point changed\n")
+    assert _stamp(stamp_tree) != with_top_level
+    constraints = stamp_tree / "ci/constraints.txt"
+    before = _stamp(stamp_tree)
+    constraints.write_text(constraints.read_text() + "numpy<3\n")
+    assert _stamp(stamp_tree) != before
+
+
+@pytest.mark.parametrize(("script", "args", "message"), [
+    ("ci/wheels.sh", ["a", "b"], "usage: bash ci/wheels.sh [--no-build-isolation] [DIR]"),
+    ("ci/install-wheels.sh", [], "usage: bash ci/install-wheels.sh [--dist DIR] REQUIREMENT... [PIP ARGUMENTS]"),
+    ("ci/install-wheels.sh", ["--dist"], "ci/install-wheels.sh: --dist needs a directory"),
+])
+def test_wheel_scripts_reject_bad_arguments_in_one_line(script, args, message):
+    run = subprocess.run(["bash", script, *args], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and run.stderr.strip() == message
+
+
+def test_install_wheels_needs_built_wheels(tmp_path):
+    run = subprocess.run(["bash", "ci/install-wheels.sh", "--dist", str(tmp_path), "lora-core"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2
+    assert run.stderr.strip() == (f"ci/install-wheels.sh: no {tmp_path}/constraints.txt; "
+                                  f"build the wheels first: bash ci/wheels.sh {tmp_path}")
