@@ -9,9 +9,12 @@ def test_smoke_run_prints_a_ratio_table(capsys, tmp_path):
     assert bench.main(["--smoke", "--json", str(tmp_path / "r.json")]) == 0
     out = capsys.readouterr().out
     assert "| smoke decode |" in out and "upstream graph" in out
-    results = [bench.run_case(c, min_run_time=0.001) for c in bench.smoke_cases()]
+    results = [bench.run_case(c, min_run_time=0.001, rounds=3) for c in bench.smoke_cases()]
     for r in results:
-        assert all(math.isfinite(v) and v > 0 for v in (r.eager, r.graph, r.upstream_control, r.upstream_graph))
+        for spread in (r.eager, r.graph, r.upstream_control, r.upstream_graph, r.graph_vs_eager):
+            assert len(spread.samples) == 3  # one ratio per interleaved round
+            assert all(math.isfinite(v) and v > 0 for v in spread.samples)
+            assert spread.minimum <= spread.median <= spread.maximum
 
 
 def test_baselines_compute_the_same_delta_as_the_ops():
@@ -33,3 +36,15 @@ def test_baselines_compute_the_same_delta_as_the_ops():
     graph = bench.upstream_graph_lora(x, a, b, info.token_slots, info.scalings, torch.zeros(6, 6))
     torch.testing.assert_close(control, ours)
     torch.testing.assert_close(graph, ours)
+
+
+def test_planning_benchmark_runs_and_reports_spreads(capsys):
+    from lora_cuda import bench_planning
+
+    assert bench_planning.main(["--smoke"]) == 0
+    out = capsys.readouterr().out
+    assert "| T=16 requests=16 slots=4 |" in out and "refill / layer" in out
+    decode, prefill = (bench_planning.run_case(c, min_run_time=0.001, rounds=2, hidden=16)
+                       for c in bench_planning.smoke_cases())
+    assert decode.refill_vs_layer is not None and len(decode.refill_us.samples) == 2
+    assert prefill.layer_us is None  # the layer ratio is for decode shapes

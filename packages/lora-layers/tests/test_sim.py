@@ -91,4 +91,4 @@ def test_plot_without_matplotlib_is_a_clear_message(capsys, monkeypatch, tmp_pat
 def test_bench_smoke_runs_both_backends_benchmarks(capsys):
     assert sim.main(["bench", "--smoke"]) == 0
     out = capsys.readouterr().out
-    assert "upstream graph" in out and "per-segment loop" in out
+    assert "upstream graph" in out and "loop / vectorized" in out and "refill / layer" in out

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from lora_layers import sim
-from lora_layers.sim.timing import Interleaved, Spread
+from lora_core.testing.timing import Interleaved, Spread
 
 SMALL = '{"vocab_size": 64, "hidden_size": 32, "intermediate_size": 48, "num_attention_heads": 4}'
 

@@ -5,7 +5,8 @@
 * shrink + expand: vectorized vs the same per-segment loop and the dense floor
   of :mod:`lora_cuda.bench`, at 1, 8 and 64 segments over 8 slots.
 
-Variants are timed in interleaved rounds (medians reported).
+Variants are timed in interleaved rounds; ratios are taken per round and
+reported as median (min–max) over rounds.
 
 Run ``python -m lora_ascend.bench`` (or ``lora-sim bench``); ``--smoke`` for tiny shapes.
 """
@@ -13,7 +14,6 @@ Run ``python -m lora_ascend.bench`` (or ``lora-sim bench``); ``--smoke`` for tin
 from __future__ import annotations
 
 import argparse
-from statistics import median
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -21,8 +21,10 @@ import torch
 import torch.nn.functional as F
 
 from lora_core.testing import make_batch_info, random_linear_weights
+from lora_core.testing.timing import Spread, format_spread, machine_info
 from lora_cuda.bench import floor_lora, interleaved_times, upstream_control_lora
 
+from .backend import AscendBackend
 from .embedding import vectorized_lora_a_embedding_fwd
 from .ops import vectorized_lora_a_fwd, vectorized_lora_b_fwd
 
@@ -47,15 +49,22 @@ def loop_embedding_shrink(
 
 @dataclass(frozen=True)
 class Row:
+    """One case: the vectorized op's median time, and per-round ratios as spreads."""
+
     op: str
     case: str
     vectorized_us: float
-    loop_us: float
-    floor_us: float | None
+    speedup: Spread
+    """per-segment loop / vectorized"""
+    vs_floor: Spread | None
+    """vectorized / dense floor"""
 
-    @property
-    def speedup(self) -> float:
-        return self.loop_us / self.vectorized_us
+
+def _row(op: str, case: str, times: dict[str, list[float]]) -> Row:
+    vec = times["vectorized"]
+    floor = times.get("floor")
+    return Row(op, case, Spread.of(vec).median, Spread.of([lp / v for lp, v in zip(times["loop"], vec)]),
+               Spread.of([v / f for v, f in zip(vec, floor)]) if floor else None)
 
 
 def _layout(num_tokens: int, num_segments: int, num_slots: int) -> tuple[list[int], list[int]]:
@@ -65,7 +74,7 @@ def _layout(num_tokens: int, num_segments: int, num_slots: int) -> tuple[list[in
 
 
 def run(*, smoke: bool = False, min_run_time: float = 1.0) -> list[Row]:
-    """Times per op and case (medians of 5 interleaved rounds)."""
+    """Times per op and case, in 7 interleaved rounds (3 with ``smoke``)."""
     V, R, L, H = (500, 4, 4, 64) if smoke else (32000, 16, 8, 2048)
     gen = torch.Generator().manual_seed(0)
     rows: list[Row] = []
@@ -74,12 +83,12 @@ def run(*, smoke: bool = False, min_run_time: float = 1.0) -> list[Row]:
     for T, segments in ([(16, 1), (16, 4), (16, 16)] if smoke else [(64, 1), (64, 8), (64, 64), (2048, 8)]):
         seq, slots = _layout(T, segments, L)
         info = make_batch_info(seq, slots, ranks, device="cpu")
+        AscendBackend("cpu").prepare_batch(info)  # the plans are the batch's cost, not the op's
         ids = torch.randint(0, V, (T,), generator=gen)
         args = (torch.tensor(seq), torch.tensor(slots), info.lora_ranks, info.scalings)
         t = interleaved_times({"vectorized": (vectorized_lora_a_embedding_fwd, (ids, emb, info, V)),
                                "loop": (loop_embedding_shrink, (ids, emb, *args))}, min_run_time=min_run_time)
-        rows.append(Row("embedding shrink", f"T={T} segments={segments}", median(t["vectorized"]), median(t["loop"]),
-                        None))
+        rows.append(_row("embedding shrink", f"T={T} segments={segments}", t))
     a, b, offsets = random_linear_weights(gen, num_slots=L, max_rank=R, in_features=H, slice_widths=[H],
                                           lora_ranks=ranks, dtype=torch.float32, device="cpu", garbage=None)
     T = 16 if smoke else 64
@@ -88,6 +97,7 @@ def run(*, smoke: bool = False, min_run_time: float = 1.0) -> list[Row]:
     for segments in ((1, 4, 16) if smoke else (1, 8, 64)):
         seq, slots = _layout(T, segments, L)
         info = make_batch_info(seq, slots, ranks, device="cpu")
+        AscendBackend("cpu").prepare_batch(info)  # the plans are the batch's cost, not the op's
 
         def vectorized(x, base, info=info):
             return vectorized_lora_b_fwd(vectorized_lora_a_fwd(x, a, info), b, info, offsets, base)
@@ -96,21 +106,23 @@ def run(*, smoke: bool = False, min_run_time: float = 1.0) -> list[Row]:
         with torch.no_grad():
             t = interleaved_times({"vectorized": (vectorized, (x, base)), "loop": (upstream_control_lora, loop_args),
                                    "floor": (floor_lora, (x, a[0], b[0], base))}, min_run_time=min_run_time)
-        rows.append(Row("shrink+expand", f"T={T} segments={segments} L={L}", median(t["vectorized"]),
-                        median(t["loop"]), median(t["floor"])))
+        rows.append(_row("shrink+expand", f"T={T} segments={segments} L={L}", t))
     return rows
 
 
 def format_table(rows: Sequence[Row]) -> str:
+    m = machine_info()
     lines = [
-        f"torch {torch.__version__}, {torch.get_num_threads()} threads",
+        f"{m['cpu']} ({m['cpu_count']} cores), torch {m['torch']}, {m['threads']} threads; "
+        "ratios are median (min–max) over interleaved rounds",
         "",
-        "| op | case | vectorized (us) | per-segment loop (us) | loop / vectorized | vectorized / dense floor |",
-        "|---|---|---:|---:|---:|---:|",
+        "| op | case | vectorized (us) | loop / vectorized | vectorized / dense floor |",
+        "|---|---|---:|---:|---:|",
     ]
     for r in rows:
-        floor = f"{r.vectorized_us / r.floor_us:.2f}x" if r.floor_us else "-"
-        lines.append(f"| {r.op} | {r.case} | {r.vectorized_us:.0f} | {r.loop_us:.0f} | {r.speedup:.1f}x | {floor} |")
+        floor = format_spread(r.vs_floor, suffix="x") if r.vs_floor else "-"
+        lines.append(f"| {r.op} | {r.case} | {r.vectorized_us:.0f} | {format_spread(r.speedup, '{:.1f}', 'x')} "
+                     f"| {floor} |")
     return "\n".join(lines)
 
 

@@ -1,7 +1,8 @@
 """Benchmarks of the torch_native ops against a dense floor and the upstream designs.
 
 Every case is timed side by side in one process, in interleaved rounds (the
-reported ratio is the median over rounds), as ratios to the **floor**: one dense shrink + expand pair (``mm`` + ``addmm``) with the same
+reported ratio is the median over rounds, with its min-max spread), as ratios to
+the **floor**: one dense shrink + expand pair (``mm`` + ``addmm``) with the same
 FLOPs, as if every token used one adapter. Baselines written here:
 
 * ``upstream control``: a Python loop over requests reading each segment's
@@ -9,8 +10,9 @@ FLOPs, as if every token used one adapter. Baselines written here:
 * ``upstream graph``: a loop over all ``L`` slots multiplying every token by
   every slot and masking with ``torch.where`` (sglang's graph op).
 
-Run ``python -m lora_cuda.bench`` (or ``lora-sim bench``); ``--smoke`` uses tiny
-shapes for a quick check that everything runs. Never run as a timed test.
+Run ``python -m lora_cuda.bench`` (or ``lora-sim bench``); ``--device cuda`` on a
+GPU; ``--smoke`` uses tiny shapes for a quick check that everything runs. Never
+run as a timed test.
 """
 
 from __future__ import annotations
@@ -26,7 +28,9 @@ from torch.utils import benchmark
 
 from lora_core import BatchInfo
 from lora_core.testing import make_batch_info, random_linear_weights
+from lora_core.testing.timing import Spread, format_spread, machine_info
 
+from .backend import TorchNativeBackend
 from .ops import sgemm_lora_a_fwd, sgemm_lora_b_fwd
 
 __all__ = ["BenchCase", "BenchResult", "default_cases", "smoke_cases", "run_case", "format_table", "main", "time_us",
@@ -47,17 +51,17 @@ class BenchCase:
 
 @dataclass(frozen=True)
 class BenchResult:
+    """Ratios to the floor (medians over rounds, with spreads), and graph / eager per round."""
+
     case: str
     floor_us: float
-    eager: float
-    graph: float
-    upstream_control: float
-    upstream_graph: float
+    eager: Spread
+    graph: Spread
+    upstream_control: Spread
+    upstream_graph: Spread
+    graph_vs_eager: Spread
     threads: int
-
-    @property
-    def graph_vs_eager(self) -> float:
-        return self.graph / self.eager
+    device: str = "cpu"
 
 
 def default_cases() -> list[BenchCase]:
@@ -123,7 +127,7 @@ def time_us(fn: Callable, *args, min_run_time: float) -> float:
 
 
 def interleaved_times(variants: dict[str, tuple[Callable, tuple]], *, min_run_time: float,
-                      rounds: int = 5) -> dict[str, list[float]]:
+                      rounds: int = 7) -> dict[str, list[float]]:
     """Microseconds per call of each ``name: (fn, args)``, measured in ``rounds`` interleaved
     rounds (each variant once per round), so slow phases of a noisy machine hit all alike."""
     times: dict[str, list[float]] = {name: [] for name in variants}
@@ -133,8 +137,8 @@ def interleaved_times(variants: dict[str, tuple[Callable, tuple]], *, min_run_ti
     return times
 
 
-def run_case(case: BenchCase, *, min_run_time: float = 1.0, device: str = "cpu", rounds: int = 5) -> BenchResult:
-    """Time every variant of ``case`` in ``rounds`` interleaved rounds; ratios are per-round medians."""
+def run_case(case: BenchCase, *, min_run_time: float = 1.0, device: str = "cpu", rounds: int = 7) -> BenchResult:
+    """Time every variant of ``case`` in ``rounds`` interleaved rounds; ratios are taken per round."""
     dtype = getattr(torch, case.dtype)
     ranks = [case.max_rank] * case.num_slots
     gen = torch.Generator().manual_seed(0)
@@ -146,6 +150,8 @@ def run_case(case: BenchCase, *, min_run_time: float = 1.0, device: str = "cpu",
     base = torch.zeros(T, case.out, device=device, dtype=dtype)
     eager = make_batch_info(case.seq_lens, case.slots, ranks, device=device)
     graph = make_batch_info(case.seq_lens, case.slots, ranks, device=device, use_graph=True)
+    for info in (eager, graph):
+        TorchNativeBackend(device).prepare_batch(info)  # plans are the batch's, not the op's, cost
     seg_lens = torch.tensor(case.seq_lens, device=device)
     weight_indices = torch.tensor(case.slots, device=device)
     variants = {
@@ -157,26 +163,30 @@ def run_case(case: BenchCase, *, min_run_time: float = 1.0, device: str = "cpu",
         "upstream_graph": (upstream_graph_lora, (x, a, b, graph.token_slots, graph.scalings, base)),
     }
     with torch.no_grad():
+        for fn, args in variants.values():
+            fn(*args)  # warm-up: lazily created tables and workspaces, allocator growth
         times = interleaved_times(variants, min_run_time=min_run_time, rounds=rounds)
     floors = times.pop("floor")
-    ratios = {name: statistics.median(t / f for t, f in zip(values, floors)) for name, values in times.items()}
-    return BenchResult(case.name, statistics.median(floors), threads=torch.get_num_threads(), **ratios)
+    ratios = {name: Spread.of([t / f for t, f in zip(values, floors)]) for name, values in times.items()}
+    ratios["graph_vs_eager"] = Spread.of([g / e for g, e in zip(times["graph"], times["eager"])])
+    return BenchResult(case.name, statistics.median(floors), threads=torch.get_num_threads(), device=device, **ratios)
 
 
 def format_table(results: Sequence[BenchResult]) -> str:
-    """A Markdown table of ratios to the floor."""
+    """A Markdown table of ratios to the floor: median (min–max) over interleaved rounds."""
+    m = machine_info()
     lines = [
-        f"torch {torch.__version__}, {results[0].threads if results else torch.get_num_threads()} threads; "
-        "times are ratios to the dense floor (lower is better)",
+        f"{m['cpu']} ({m['cpu_count']} cores), torch {m['torch']}, {m['threads']} threads, "
+        f"device {results[0].device if results else 'cpu'}; ratios to the dense floor (lower is better), "
+        "median (min–max) over interleaved rounds",
         "",
         "| case | floor (us) | eager | graph | graph / eager | upstream control | upstream graph |",
         "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
-        lines.append(
-            f"| {r.case} | {r.floor_us:.0f} | {r.eager:.2f}x | {r.graph:.2f}x | {r.graph_vs_eager:.2f}x | "
-            f"{r.upstream_control:.2f}x | {r.upstream_graph:.2f}x |"
-        )
+        cells = [format_spread(v, suffix="x") for v in
+                 (r.eager, r.graph, r.graph_vs_eager, r.upstream_control, r.upstream_graph)]
+        lines.append(f"| {r.case} | {r.floor_us:.0f} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -184,16 +194,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m lora_cuda.bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, a quick check that everything runs")
     parser.add_argument("--min-run-time", type=float, default=1.0,
-                        help="seconds per variant, split over 5 interleaved rounds (default 1.0)")
+                        help="seconds per variant, split over the interleaved rounds (default 1.0)")
+    parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds (default 7)")
+    parser.add_argument("--device", default="cpu", help="torch device to run on (default cpu; e.g. cuda)")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
+    try:
+        torch.empty(0, device=args.device)
+    except (RuntimeError, AssertionError) as err:
+        parser.error(f"--device {args.device!r} is not usable here: {err}")
     cases = smoke_cases() if args.smoke else default_cases()
     min_run_time = 0.01 if args.smoke else args.min_run_time
-    results = [run_case(c, min_run_time=min_run_time) for c in cases]
+    results = [run_case(c, min_run_time=min_run_time, device=args.device, rounds=3 if args.smoke else args.rounds)
+               for c in cases]
     print(format_table(results))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump([asdict(r) | {"graph_vs_eager": r.graph_vs_eager} for r in results], f, indent=2)
+            json.dump({"machine": machine_info(), "results": [asdict(r) for r in results]}, f, indent=2)
     return 0
 
 

@@ -1,10 +1,16 @@
 """lora-layers: module wrappers over lora-kit backends, tensor parallelism, the
 ``MultiLoRA`` API and the ``lora-sim`` command."""
 
-from .models import TinyConfig, TinyDecoder
-from .multilora import MultiLoRA
-from .parallel import TensorParallel
-from .layers import (
+import os
+
+# An installed torch_npu without its CANN driver stack breaks `import torch` unless device-backend
+# autoloading is off; this must run before the first `import torch` (lora-sim's entry point lands here).
+os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
+
+from .models import TinyConfig, TinyDecoder  # noqa: E402
+from .multilora import MultiLoRA  # noqa: E402
+from .parallel import TensorParallel  # noqa: E402
+from .layers import (  # noqa: E402
     ColumnParallelLinearWithLoRA,
     EmbeddingWithLoRA,
     LinearWithLoRA,

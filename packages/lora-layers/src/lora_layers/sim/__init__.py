@@ -5,7 +5,7 @@ Serves a workload (:mod:`.workload`) of synthetic or given PEFT adapters
 :mod:`.serving`, on every backend of ``lora_core.available_backends()`` and every
 device of ``lora_core.testing.DEVICE_NAMES``; checks each row against merged fp32
 reference models (:mod:`.reference`) and times it against the base model in
-interleaved rounds (:mod:`.timing`, :mod:`.run`); writes tables, JSON and a plot
+interleaved rounds (:mod:`lora_core.testing.timing`, :mod:`.run`); writes tables, JSON and a plot
 (:mod:`.report`); ``lora-sim bench`` runs the benchmarks registered under the
 ``lora_core.benchmarks`` entry points (:mod:`.bench`). The command line, its
 options and exit statuses are in :mod:`.cli` (``lora-sim --help``).
@@ -16,21 +16,16 @@ options and exit statuses are in :mod:`.cli` (``lora-sim --help``).
 
 from __future__ import annotations
 
-import os
+from lora_core.testing.timing import Interleaved, Spread, machine_info
 
-# A torch_npu without its driver breaks `import torch` unless this is set first. It only helps when
-# torch is not imported yet, and lora_layers/__init__.py imports it before this runs: set it there.
-os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
-
-from .adapters import make_synthetic_adapters  # noqa: E402
-from .bench import discover_benchmarks, run_benchmarks  # noqa: E402
-from .cli import build_parser, main, parse_adapters, parse_config  # noqa: E402
-from .errors import UsageError  # noqa: E402
-from .reference import merged_reference_models, reference_logits  # noqa: E402
-from .report import format_rows, write_plot  # noqa: E402
-from .run import ROUNDS, SimRow, run_row, run_simulation  # noqa: E402
-from .timing import Interleaved, Spread, machine_info  # noqa: E402
-from .workload import DEFAULT_CONFIG, Workload, default_workload  # noqa: E402
+from .adapters import make_synthetic_adapters
+from .bench import discover_benchmarks, run_benchmarks
+from .cli import build_parser, main, parse_adapters, parse_config
+from .errors import UsageError
+from .reference import merged_reference_models, reference_logits
+from .report import format_rows, write_plot
+from .run import ROUNDS, SimRow, run_row, run_simulation
+from .workload import DEFAULT_CONFIG, Workload, default_workload
 
 __all__ = ["main", "run_simulation", "SimRow", "Workload", "default_workload"]
 

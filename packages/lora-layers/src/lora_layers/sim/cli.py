@@ -20,7 +20,7 @@ from .errors import UsageError
 from .report import format_devices, format_header, format_rows, to_json, write_plot
 from .run import ROUNDS, run_simulation
 from .serving import build_multilora
-from .timing import machine_info
+from lora_core.testing.timing import machine_info
 from .workload import DEFAULT_CONFIG, Workload, default_workload
 
 __all__ = ["build_parser", "check_adapters_fit", "main", "parse_adapters", "parse_config"]

@@ -10,7 +10,7 @@ from lora_core.testing import DEVICE_NAMES, probe_device
 from ..models import TinyConfig
 from .errors import UsageError
 from .run import SimRow
-from .timing import Spread
+from lora_core.testing.timing import Spread
 from .workload import Workload
 
 __all__ = ["format_devices", "format_header", "format_rows", "format_spread", "to_json", "write_plot"]

@@ -4,7 +4,7 @@ A row serves the workload through :class:`~lora_layers.MultiLoRA` on one backend
 and device, checks every output against the merged fp32 reference
 (:mod:`.reference`) at the fp32 tolerance of ``lora_core.testing.TOLERANCES``
 (docs/layout.md), and times the model with LoRA against the base model in
-interleaved rounds (:mod:`.timing`).
+interleaved rounds (:mod:`lora_core.testing.timing`).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from lora_core.testing import TOLERANCES, CaptureError, count_launches, make_dev
 from ..models import TinyConfig, TinyDecoder
 from .reference import merged_reference_models, reference_logits
 from .serving import build_multilora
-from .timing import Interleaved, Spread, sync_device
+from lora_core.testing.timing import Interleaved, Spread, sync_device
 from .workload import Workload
 
 __all__ = ["ROUNDS", "SimRow", "run_row", "run_simulation"]
@@ -40,7 +40,7 @@ class SimRow:
     ``status`` is ``"pass"`` (every output within tolerance), ``"fail"`` (one is
     not, or graph capture failed: ``reason``), ``"skipped"`` (the device is absent:
     ``reason``) or ``"error"`` (the run raised: ``reason``). The three timed
-    figures are :class:`~lora_layers.sim.timing.Spread` over rounds: prefill tokens/s,
+    figures are :class:`~lora_core.testing.timing.Spread` over rounds: prefill tokens/s,
     decode tokens/s (from each round's median step) and the LoRA overhead
     ``(prefill + one decode step) / (the same on the base model) - 1``.
     ``details["seconds"]`` holds the raw per-round seconds.

@@ -1,10 +1,9 @@
 """Stable figures: samples from interleaved rounds, summarised as median and spread.
 
-Wall-clock speed drifts (other work on the machine, frequency scaling), so the
-model with LoRA and the base model it is compared with are timed in the same
-rounds, each once per round, alternating which goes first; a figure is the
-median over rounds, shown with its min-max spread. See docs/benchmarks.md for
-the same method in the op benchmarks.
+Wall-clock speed drifts (other work on the machine, frequency scaling), so every
+variant that a figure compares is timed in the same rounds, each once per round,
+rotating which goes first; a figure is the median over rounds, shown with its
+min-max spread (docs/benchmarks.md). Shared by the op benchmarks and lora-sim.
 """
 
 from __future__ import annotations
@@ -18,7 +17,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-__all__ = ["Interleaved", "Spread", "machine_info", "sync_device"]
+__all__ = ["Interleaved", "Spread", "machine_info", "sync_device", "format_spread"]
 
 
 @dataclass(frozen=True)
@@ -108,3 +107,9 @@ def machine_info() -> dict[str, Any]:
     if torch.cuda.is_available():
         info["cuda_device"] = torch.cuda.get_device_name(0)
     return info
+
+
+def format_spread(spread: Spread, fmt: str = "{:.2f}", suffix: str = "") -> str:
+    """``median (min–max)`` of a spread, each value formatted with ``fmt``."""
+    return (f"{fmt.format(spread.median)}{suffix} "
+            f"({fmt.format(spread.minimum)}–{fmt.format(spread.maximum)})")
