@@ -28,12 +28,13 @@ loop runs over tokens, and loops over requests only validate their arguments.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Set
 from typing import Callable, Sequence, TypeVar
 
 import numpy as np
 import torch
 
-from .checks import check_finite_float, check_int, is_int
+from .checks import allocating, check_bool, check_finite_float, check_int, is_int
 from .graphs import is_capturing
 from .plans import BatchPlan
 from .staging import StagedTensors
@@ -43,7 +44,6 @@ __all__ = ["BatchInfo", "build_batch_info"]
 PlanT = TypeVar("PlanT", bound=BatchPlan)
 T_co = TypeVar("T_co")
 
-_FLOAT32_MAX = torch.finfo(torch.float32).max
 _MAX_TOKENS = 2**31 - 1  # token and segment offsets are int32 on the device
 
 
@@ -161,13 +161,14 @@ class BatchInfo:
         self._plans: dict[type[BatchPlan], BatchPlan] = {}
         self._derived: dict[str, object] = {}
         self._lm_head_view: BatchInfo | None = None
-        self._adapters = StagedTensors(
+        self._adapters = allocating(f"lora_ranks ({self.num_slots} slots)", lambda: StagedTensors(
             {"lora_ranks": ((self.num_slots,), torch.int32), "scalings": ((self.num_slots,), torch.float32)},
             device, double_buffered=use_graph,
-        )
+        ))
         self._publish_adapters(lora_ranks, scalings)
         if use_graph:
-            self._batch = StagedTensors(_batch_fields(capacity, capacity), device, double_buffered=True)
+            self._batch = allocating(f"max_tokens = {capacity}", lambda: StagedTensors(
+                _batch_fields(capacity, capacity), device, double_buffered=True))
         self._publish_batch(requests)
 
     # ------------------------------------------------------------------ sizes
@@ -281,7 +282,7 @@ class BatchInfo:
         The view is built once per batch, with the plans built for this batch
         (and, in graph mode, preallocated with it and refilled with it).
         """
-        if not pruned:
+        if not check_bool("pruned", pruned):
             return self
         if self._lm_head_view is None:
             if is_capturing():
@@ -306,7 +307,8 @@ class BatchInfo:
         seg_lens, seg_slots = _merge_segments(requests)
         S, T = seg_lens.size, requests.num_tokens
         if not self.use_graph:
-            self._batch = StagedTensors(_batch_fields(S, T), self.device)
+            self._batch = allocating(f"seq_lens ({T} tokens)",
+                                     lambda: StagedTensors(_batch_fields(S, T), self.device))
         host = self._batch.host_arrays
         host["seg_lens"][:S] = seg_lens
         host["seg_lens"][S:] = 0
@@ -380,17 +382,22 @@ def build_batch_info(
         max_tokens: graph-mode capacity (required with ``use_graph``).
         max_rank: when given, every rank must be <= it (the buffers' ``R``).
     """
-    device = _check_device(device)
+    use_graph = check_bool("use_graph", use_graph)
+    if max_rank is not None:
+        max_rank = check_int("max_rank", max_rank, minimum=0)
+    if use_graph:
+        if max_tokens is None or not is_int(max_tokens) or not 0 < max_tokens <= _MAX_TOKENS:
+            raise ValueError(f"max_tokens must be a positive int <= 2**31 - 1 (token offsets are int32) "
+                             f"with use_graph=True, got {max_tokens!r}")
+        max_tokens = int(max_tokens)
+    elif max_tokens is not None:
+        raise ValueError(f"max_tokens is only meaningful with use_graph=True, got max_tokens = {max_tokens!r}")
     ranks, scales = _validate_adapters(lora_ranks, scalings, max_rank=max_rank)
     requests = _validate_requests(seq_lens, slot_ids, len(ranks))
     if use_graph:
-        if max_tokens is None or not is_int(max_tokens) or max_tokens <= 0:
-            raise ValueError(f"max_tokens must be a positive int with use_graph=True, got {max_tokens!r}")
-        max_tokens = int(max_tokens)
         _check_capacity(requests, max_tokens)
-    elif max_tokens is not None:
-        raise ValueError("max_tokens is only meaningful with use_graph=True")
-    info = BatchInfo(requests, ranks, scales, device=device, use_graph=bool(use_graph), capacity=max_tokens,
+    device = _check_device(device)
+    info = BatchInfo(requests, ranks, scales, device=device, use_graph=use_graph, capacity=max_tokens,
                      max_rank=max_rank)
     if use_graph:
         info.lm_head_view(pruned=True)  # preallocated now: never built during a capture
@@ -399,11 +406,18 @@ def build_batch_info(
 
 # ---------------------------------------------------------------------- validation
 def _check_device(device: torch.device | str) -> torch.device:
+    """``device`` as a ``torch.device`` this process can allocate on, or ``ValueError`` naming it
+    (an unknown device string, a device type this torch build lacks, an absent index)."""
+    if isinstance(device, (bool, np.bool_)):
+        raise ValueError(f"device must be a torch.device or a device string like 'cpu' or 'cuda:0', got {device!r}")
     try:
-        return torch.device(device)
-    except (RuntimeError, TypeError) as err:
-        raise ValueError(f"device must be a torch.device or a device string like 'cpu' or 'cuda:0', "
-                         f"got {device!r}: {err}") from None
+        resolved = torch.device(device)
+        torch.empty(0, device=resolved)  # a torch build without the device type raises here, not later
+    except (RuntimeError, TypeError, ValueError, AssertionError, ImportError, NotImplementedError) as err:
+        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise ValueError(f"device must be a torch.device or a device string like 'cpu' or 'cuda:0' that this "
+                         f"process can use, got {device!r}: {reason}") from None
+    return resolved
 
 
 def _host_values(name: str, values: Sequence) -> list:
@@ -416,7 +430,7 @@ def _host_values(name: str, values: Sequence) -> list:
         if values.dim() != 1:
             raise ValueError(f"{name} must be one-dimensional, got shape {tuple(values.shape)}")
         return values.tolist()
-    if isinstance(values, (str, bytes)):
+    if isinstance(values, (str, bytes, Mapping, Set)):  # unordered or not numbers: never a silent guess
         raise TypeError(f"{name} must be a sequence of numbers, got {type(values).__name__}")
     try:
         return list(values)
@@ -441,19 +455,12 @@ def _validate_adapters(
         raise ValueError(
             f"lora_ranks and scalings must have one entry per slot; got {len(ranks)} and {len(scales)}"
         )
-    if max_rank is not None:
-        max_rank = check_int("max_rank", max_rank, minimum=0)
     ranks = _int_values("lora_ranks", ranks, 0, _MAX_TOKENS)  # int32 on the device
     for slot, rank in enumerate(ranks):
         if max_rank is not None and rank > max_rank:
             raise ValueError(f"lora_ranks[{slot}] = {rank} exceeds max_rank = {max_rank}")
-    checked = []
-    for slot, scale in enumerate(scales):
-        value = check_finite_float(f"scalings[{slot}]", scale)
-        if abs(value) > _FLOAT32_MAX:
-            raise ValueError(f"scalings[{slot}] must be finite in float32 (|s| <= {_FLOAT32_MAX:.3e}), got {scale!r}")
-        checked.append(value)
-    return tuple(ranks), tuple(checked)
+    checked = tuple(check_finite_float(f"scalings[{slot}]", scale, float32=True) for slot, scale in enumerate(scales))
+    return tuple(ranks), checked
 
 
 def _validate_requests(seq_lens: Sequence[int], slot_ids: Sequence[int | None], num_slots: int) -> _Requests:

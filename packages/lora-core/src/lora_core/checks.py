@@ -9,13 +9,34 @@ from __future__ import annotations
 
 import math
 import numbers
+from typing import Callable, TypeVar
 
-__all__ = ["is_int", "check_int", "check_finite_float"]
+import numpy as np
+import torch
+
+__all__ = [
+    "FLOAT32_MAX",
+    "SUPPORTED_FLOAT_DTYPES",
+    "is_int",
+    "check_int",
+    "check_bool",
+    "check_finite_float",
+    "check_float_dtype",
+    "allocating",
+]
+
+T = TypeVar("T")
+
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+
+SUPPORTED_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+"""The activation and weight dtypes every op supports (float64 is not one: the
+grouped-GEMM kernels reject it, so no path accepts it)."""
 
 
 def is_int(value: object) -> bool:
     """True for Python and NumPy integers, False for bools (``True`` is not a length)."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and type(value).__name__ != "bool_"
+    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
 
 
 def check_int(name: str, value: object, *, minimum: int | None = None, maximum: int | None = None) -> int:
@@ -31,8 +52,45 @@ def check_int(name: str, value: object, *, minimum: int | None = None, maximum: 
     return value
 
 
-def check_finite_float(name: str, value: object) -> float:
-    """``value`` as a Python float, or ``ValueError`` if it is not a finite real number."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+def check_bool(name: str, value: object) -> bool:
+    """``value`` as a Python bool, or ``TypeError`` naming ``name`` (``"no"`` is not False)."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a bool, got {value!r}")
+    return bool(value)
+
+
+def check_finite_float(name: str, value: object, *, float32: bool = False) -> float:
+    """``value`` as a Python float, or ``ValueError`` if it is not a finite real number
+    (with ``float32=True``: not finite once stored as float32, e.g. ``1e39``)."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
         raise ValueError(f"{name} must be a finite float, got {value!r}")
-    return float(value)
+    try:
+        result = float(value)
+    except (OverflowError, ValueError):  # e.g. a Fraction too large for a float
+        raise ValueError(f"{name} must be a finite float, got {value!r}") from None
+    if not math.isfinite(result):
+        raise ValueError(f"{name} must be a finite float, got {value!r}")
+    if float32 and abs(result) > FLOAT32_MAX:
+        raise ValueError(f"{name} must be finite in float32 (|x| <= {FLOAT32_MAX:.3e}), got {value!r}")
+    return result
+
+
+def check_float_dtype(name: str, dtype: torch.dtype) -> None:
+    """``ValueError`` naming ``name`` unless ``dtype`` is one of :data:`SUPPORTED_FLOAT_DTYPES`."""
+    if dtype not in SUPPORTED_FLOAT_DTYPES:
+        supported = ", ".join(str(d).removeprefix("torch.") for d in SUPPORTED_FLOAT_DTYPES)
+        raise ValueError(f"{name} has dtype {dtype}; supported dtypes are {supported}")
+
+
+def allocating(what: str, fn: Callable[[], T]) -> T:
+    """``fn()``, with an allocation failure (host or device out of memory) turned into a
+    ``ValueError`` that says which argument asked for too much (``what``)."""
+    try:
+        return fn()
+    except MemoryError as err:
+        raise ValueError(f"{what}: cannot allocate the memory it needs ({err})") from err
+    except RuntimeError as err:  # torch.OutOfMemoryError, or the CPU allocator's RuntimeError
+        message = str(err)
+        if isinstance(err, getattr(torch, "OutOfMemoryError", ())) or "allocate" in message:
+            raise ValueError(f"{what}: cannot allocate the memory it needs ({message.splitlines()[0]})") from err
+        raise

@@ -14,7 +14,7 @@ from typing import Sequence
 import torch
 
 from .batch_info import BatchInfo
-from .checks import check_int, is_int
+from .checks import check_float_dtype, check_int, is_int
 from .graphs import is_capturing
 from .layout import slice_offsets_from_widths
 
@@ -52,9 +52,16 @@ def _check_tensor(name: str, t: object, dim: int) -> torch.Tensor:
     return t
 
 
+_ID_DTYPES = (torch.int32, torch.int64)
+
+
 def _check_integer_ids(ids: torch.Tensor) -> None:
-    if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
-        raise ValueError(f"ids must be an integer tensor, got {ids.dtype}")
+    """Token ids are int32 or int64, as ``torch.nn.functional.embedding`` takes them: narrower
+    integer dtypes (int8, uint8, int16, ...) cannot hold a vocabulary and are rejected, not converted."""
+    if ids.dtype not in _ID_DTYPES:
+        kind = "an integer tensor" if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool \
+            else "an int32 or int64 tensor"
+        raise ValueError(f"ids must be {kind} (int32 or int64), got {ids.dtype}")
 
 
 def _check_same(name: str, t: torch.Tensor, ref_name: str, ref: torch.Tensor) -> None:
@@ -101,8 +108,7 @@ def check_lora_a_inputs(x: torch.Tensor, weights: torch.Tensor, batch_info: Batc
     """``x (T, in)``, ``weights (L, c*R, in)``; returns ``R``."""
     _check_tensor("x", x, 2)
     _check_tensor("weights", weights, 3)
-    if not x.is_floating_point():
-        raise ValueError(f"x must be floating point, got {x.dtype}")
+    check_float_dtype("x", x.dtype)
     _check_same("weights", weights, "x", x)
     _check_batch_device(batch_info, x, "x")
     _check_slots(batch_info, weights, "weights")
@@ -126,9 +132,9 @@ def _check_ranks(batch_info: BatchInfo, max_rank: int) -> None:
 def normalize_slice_offsets(slice_offsets: Sequence[int] | torch.Tensor) -> tuple[int, ...]:
     """Slice offsets as a tuple of Python ints ``(0, o1, ..., out_total)``, validated."""
     if isinstance(slice_offsets, torch.Tensor):
-        if slice_offsets.device.type != "cpu" or slice_offsets.dtype.is_floating_point:
+        if slice_offsets.device.type != "cpu" or slice_offsets.dtype.is_floating_point or slice_offsets.dim() != 1:
             raise ValueError(
-                f"slice_offsets must be Python ints or a CPU integer tensor, got {_describe(slice_offsets)}"
+                f"slice_offsets must be Python ints or a 1-D CPU integer tensor, got {_describe(slice_offsets)}"
             )
         values = slice_offsets.tolist()
     else:
@@ -158,6 +164,7 @@ def check_lora_b_inputs(
     offsets = normalize_slice_offsets(slice_offsets)
     _check_tensor("x", x, 2)
     _check_tensor("weights", weights, 3)
+    check_float_dtype("x", x.dtype)
     _check_same("weights", weights, "x", x)
     _check_batch_device(batch_info, x, "x")
     _check_slots(batch_info, weights, "weights")
@@ -193,6 +200,7 @@ def check_embedding_inputs(
     _check_tensor("ids", ids, 1)
     _check_tensor("weights", weights, 3)
     _check_integer_ids(ids)
+    check_float_dtype("weights", weights.dtype)
     if ids.device != weights.device:
         raise ValueError(f"ids is on {ids.device} but weights is on {weights.device}")
     _check_batch_device(batch_info, ids, "ids")
@@ -201,6 +209,8 @@ def check_embedding_inputs(
     added = 0
     if extra_embeddings is not None:
         _check_tensor("extra_embeddings", extra_embeddings, 3)
+        if extra_embeddings.device != weights.device:
+            raise ValueError(f"extra_embeddings is on {extra_embeddings.device} but weights is on {weights.device}")
         _check_slots(batch_info, extra_embeddings, "extra_embeddings")
         added = extra_embeddings.shape[1]
     if weights.shape[2] < vocab_size + added:
@@ -225,8 +235,10 @@ def check_added_token_inputs(
     _check_integer_ids(ids)
     _check_tensor("extra_embeddings", extra_embeddings, 3)
     _check_tensor("base_output", base_output, 2)
+    check_float_dtype("base_output", base_output.dtype)
     _check_same("extra_embeddings", extra_embeddings, "base_output", base_output)
     _check_batch_device(batch_info, ids, "ids")
+    _check_batch_device(batch_info, base_output, "base_output")
     _check_slots(batch_info, extra_embeddings, "extra_embeddings")
     check_int("vocab_size", vocab_size, minimum=1)
     if tuple(base_output.shape) != (ids.shape[0], extra_embeddings.shape[2]):
