@@ -13,15 +13,15 @@ Run ``python -m lora_ascend.bench`` (or ``lora-sim bench``); ``--smoke`` for tin
 
 from __future__ import annotations
 
-import argparse
-from dataclasses import dataclass
+import json
+from dataclasses import asdict, dataclass
 from typing import Sequence
 
 import torch
 import torch.nn.functional as F
 
 from lora_core.testing import make_batch_info, random_linear_weights
-from lora_core.testing.timing import Spread, format_spread, machine_info
+from lora_core.testing.timing import Spread, benchmark_parser, format_spread, machine_info
 from lora_cuda.bench import floor_lora, interleaved_times, upstream_control_lora
 
 from .backend import AscendBackend
@@ -73,8 +73,8 @@ def _layout(num_tokens: int, num_segments: int, num_slots: int) -> tuple[list[in
     return seq, [i % num_slots for i in range(num_segments)]
 
 
-def run(*, smoke: bool = False, min_run_time: float = 1.0) -> list[Row]:
-    """Times per op and case, in 7 interleaved rounds (3 with ``smoke``)."""
+def run(*, smoke: bool = False, min_run_time: float = 1.0, rounds: int = 7) -> list[Row]:
+    """Times per op and case, in ``rounds`` interleaved rounds."""
     V, R, L, H = (500, 4, 4, 64) if smoke else (32000, 16, 8, 2048)
     gen = torch.Generator().manual_seed(0)
     rows: list[Row] = []
@@ -87,7 +87,8 @@ def run(*, smoke: bool = False, min_run_time: float = 1.0) -> list[Row]:
         ids = torch.randint(0, V, (T,), generator=gen)
         args = (torch.tensor(seq), torch.tensor(slots), info.lora_ranks, info.scalings)
         t = interleaved_times({"vectorized": (vectorized_lora_a_embedding_fwd, (ids, emb, info, V)),
-                               "loop": (loop_embedding_shrink, (ids, emb, *args))}, min_run_time=min_run_time)
+                               "loop": (loop_embedding_shrink, (ids, emb, *args))}, min_run_time=min_run_time,
+                              rounds=rounds)
         rows.append(_row("embedding shrink", f"T={T} segments={segments}", t))
     a, b, offsets = random_linear_weights(gen, num_slots=L, max_rank=R, in_features=H, slice_widths=[H],
                                           lora_ranks=ranks, dtype=torch.float32, device="cpu", garbage=None)
@@ -105,7 +106,8 @@ def run(*, smoke: bool = False, min_run_time: float = 1.0) -> list[Row]:
         loop_args = (x, a, b, torch.tensor(seq), torch.tensor(slots), info.lora_ranks, info.scalings, base)
         with torch.no_grad():
             t = interleaved_times({"vectorized": (vectorized, (x, base)), "loop": (upstream_control_lora, loop_args),
-                                   "floor": (floor_lora, (x, a[0], b[0], base))}, min_run_time=min_run_time)
+                                   "floor": (floor_lora, (x, a[0], b[0], base))}, min_run_time=min_run_time,
+                                  rounds=rounds)
         rows.append(_row("shrink+expand", f"T={T} segments={segments} L={L}", t))
     return rows
 
@@ -127,12 +129,13 @@ def format_table(rows: Sequence[Row]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m lora_ascend.bench", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--smoke", action="store_true", help="tiny shapes, a quick check that everything runs")
-    parser.add_argument("--min-run-time", type=float, default=1.0,
-                        help="seconds per variant, split over 5 interleaved rounds (default 1.0)")
-    args = parser.parse_args(argv)
-    print(format_table(run(smoke=args.smoke, min_run_time=0.01 if args.smoke else args.min_run_time)))
+    args = benchmark_parser("python -m lora_ascend.bench", __doc__.split("\n\n")[0]).parse_args(argv)
+    rows = run(smoke=args.smoke, min_run_time=0.01 if args.smoke else args.min_run_time,
+               rounds=3 if args.smoke else args.rounds)
+    print(format_table(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"machine": machine_info(), "rows": [asdict(r) for r in rows]}, f, indent=2)
     return 0
 
 

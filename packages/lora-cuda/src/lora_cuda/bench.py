@@ -17,7 +17,6 @@ run as a timed test.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 from dataclasses import asdict, dataclass
@@ -28,7 +27,7 @@ from torch.utils import benchmark
 
 from lora_core import BatchInfo
 from lora_core.testing import make_batch_info, random_linear_weights
-from lora_core.testing.timing import Spread, format_spread, machine_info
+from lora_core.testing.timing import Spread, benchmark_parser, format_spread, machine_info
 
 from .backend import TorchNativeBackend
 from .ops import sgemm_lora_a_fwd, sgemm_lora_b_fwd
@@ -191,16 +190,9 @@ def format_table(results: Sequence[BenchResult]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m lora_cuda.bench", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--smoke", action="store_true", help="tiny shapes, a quick check that everything runs")
-    parser.add_argument("--min-run-time", type=float, default=1.0,
-                        help="seconds per variant, split over the interleaved rounds (default 1.0)")
-    parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds (default 7)")
+    parser = benchmark_parser("python -m lora_cuda.bench", __doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cpu", help="torch device to run on (default cpu; e.g. cuda)")
-    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = parser.parse_args(argv)
-    if args.rounds < 1:
-        parser.error("--rounds must be at least 1")
     try:
         torch.empty(0, device=args.device)
     except (RuntimeError, AssertionError) as err:

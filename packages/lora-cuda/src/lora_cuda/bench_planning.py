@@ -20,7 +20,6 @@ for a quick check. Never run as a timed test.
 
 from __future__ import annotations
 
-import argparse
 import json
 from dataclasses import asdict, dataclass
 from typing import Callable, Sequence
@@ -30,7 +29,7 @@ from torch.utils import benchmark
 
 from lora_core import build_batch_info
 from lora_core.testing import random_linear_weights
-from lora_core.testing.timing import Spread, format_spread, machine_info
+from lora_core.testing.timing import Spread, benchmark_parser, format_spread, machine_info
 
 from .backend import TorchNativeBackend
 from .ops import sgemm_lora_a_fwd, sgemm_lora_b_fwd
@@ -147,15 +146,8 @@ def format_table(results: Sequence[PlanningResult]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m lora_cuda.bench_planning", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--smoke", action="store_true", help="tiny shapes, a quick check that everything runs")
-    parser.add_argument("--min-run-time", type=float, default=0.5,
-                        help="seconds per variant, split over the interleaved rounds (default 0.5)")
-    parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds (default 7)")
-    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    parser = benchmark_parser("python -m lora_cuda.bench_planning", __doc__.split("\n\n")[0], min_run_time=0.5)
     args = parser.parse_args(argv)
-    if args.rounds < 1:
-        parser.error("--rounds must be at least 1")
     smoke = args.smoke
     results = [run_case(c, min_run_time=0.01 if smoke else args.min_run_time, rounds=3 if smoke else args.rounds,
                         hidden=64 if smoke else 2048)

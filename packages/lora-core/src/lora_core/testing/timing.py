@@ -8,6 +8,7 @@ min-max spread (docs/benchmarks.md). Shared by the op benchmarks and lora-sim.
 
 from __future__ import annotations
 
+import argparse
 import os
 import platform
 import statistics
@@ -17,7 +18,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-__all__ = ["Interleaved", "Spread", "machine_info", "sync_device", "format_spread"]
+__all__ = ["Interleaved", "Spread", "machine_info", "sync_device", "format_spread", "benchmark_parser"]
 
 
 @dataclass(frozen=True)
@@ -113,3 +114,22 @@ def format_spread(spread: Spread, fmt: str = "{:.2f}", suffix: str = "") -> str:
     """``median (min–max)`` of a spread, each value formatted with ``fmt``."""
     return (f"{fmt.format(spread.median)}{suffix} "
             f"({fmt.format(spread.minimum)}–{fmt.format(spread.maximum)})")
+
+
+def _rounds(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def benchmark_parser(prog: str, description: str, *, min_run_time: float = 1.0) -> argparse.ArgumentParser:
+    """The options every lora-kit benchmark takes: ``--smoke``, ``--min-run-time``,
+    ``--rounds`` and ``--json`` (``lora-sim bench`` passes ``--smoke`` to each)."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes, a quick check that everything runs")
+    parser.add_argument("--min-run-time", type=float, default=min_run_time,
+                        help=f"seconds per variant, split over the interleaved rounds (default {min_run_time})")
+    parser.add_argument("--rounds", type=_rounds, default=7, help="interleaved rounds, at least 1 (default 7)")
+    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    return parser
