@@ -22,6 +22,8 @@ from pathlib import Path
 
 import torch
 
+from .checks import FLOAT32_MAX
+
 __all__ = ["LoRAModuleWeights", "PeftAdapter", "load_peft_adapter", "save_peft_adapter", "peft_scaling", "AdapterFormatError"]
 
 CONFIG_NAME = "adapter_config.json"
@@ -78,11 +80,19 @@ class PeftAdapter:
 
 
 def _pattern_value(patterns: dict, module: str, default):
-    """PEFT's rule: the first pattern key that matches the end of the module name."""
+    """PEFT's rule: the first pattern key that matches the end of the module name, on a
+    name-component boundary: ``q`` matches ``q`` and ``layers.0.q`` but not ``q_proj``,
+    ``proj`` does not match ``q_proj``. Keys are regular expressions, as in PEFT's
+    ``get_pattern_key``."""
     for key, value in patterns.items():
         if re.match(rf"(.*\.)?({key})$", module):
             return value
     return default
+
+
+def _is_positive_number(value: object) -> bool:
+    return (not isinstance(value, bool) and isinstance(value, (int, float))
+            and math.isfinite(value) and value > 0)
 
 
 def peft_scaling(alpha: float, rank: int, use_rslora: bool) -> float:
@@ -115,11 +125,24 @@ def _read_config(path: Path) -> dict:
             raise AdapterFormatError(f"{config_path}: {what} is not supported")
     for key in ("r", "lora_alpha"):
         value = config.get(key)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-            raise AdapterFormatError(f"{config_path}: {key} must be a positive number, got {value!r}")
+        if not _is_positive_number(value):
+            raise AdapterFormatError(f"{config_path}: {key} must be a positive number (finite), got {value!r}")
+    use_rslora = config.get("use_rslora", False)
+    if use_rslora is not None and not isinstance(use_rslora, bool):
+        raise AdapterFormatError(f"{config_path}: use_rslora must be true or false, got {use_rslora!r}")
     for key in ("rank_pattern", "alpha_pattern"):
-        if not isinstance(config.get(key) or {}, dict):
+        patterns = config.get(key) or {}
+        if not isinstance(patterns, dict):
             raise AdapterFormatError(f"{config_path}: {key} must be an object, got {config.get(key)!r}")
+        for pattern, value in patterns.items():
+            try:
+                re.compile(rf"(.*\.)?({pattern})$")  # how _pattern_value uses it
+            except re.error as exc:
+                raise AdapterFormatError(f"{config_path}: {key} key {pattern!r} is not a valid pattern: {exc}") from None
+            integral = key == "rank_pattern"
+            if not _is_positive_number(value) or (integral and value != int(value)):
+                what = "a positive int" if integral else "a positive finite number"
+                raise AdapterFormatError(f"{config_path}: {key}[{pattern!r}] must be {what}, got {value!r}")
     return config
 
 
@@ -146,6 +169,8 @@ def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
 
 def load_peft_adapter(path: str | Path) -> PeftAdapter:
     """Read a PEFT LoRA adapter directory; tensors stay on the CPU in their saved dtype."""
+    if not isinstance(path, (str, Path)) and not hasattr(path, "__fspath__"):
+        raise TypeError(f"path must be a str or os.PathLike naming an adapter directory, got {type(path).__name__}")
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"adapter directory {path} does not exist")
@@ -167,8 +192,17 @@ def load_peft_adapter(path: str | Path) -> PeftAdapter:
             if key.endswith(suffix):
                 module = key[: -len(suffix)]
                 module = module[len(_PREFIX):] if module.startswith(_PREFIX) else module
-                pairs.setdefault(module, {})[side] = tensor
-                kinds[module] = kind
+                if not module:
+                    raise AdapterFormatError(f"{path}: tensor {key!r} names no module")
+                if kinds.setdefault(module, kind) != kind:
+                    raise AdapterFormatError(
+                        f"{path}: module {module!r} has both linear (lora_A/lora_B) and embedding "
+                        "(lora_embedding_A/B) weights"
+                    )
+                if side in pairs.setdefault(module, {}):
+                    raise AdapterFormatError(f"{path}: module {module!r} has two LoRA {side.upper()} weights "
+                                             f"(with and without the {_PREFIX!r} prefix?)")
+                pairs[module][side] = tensor
                 break
         else:
             raise AdapterFormatError(
@@ -186,7 +220,8 @@ def load_peft_adapter(path: str | Path) -> PeftAdapter:
             missing = "B" if "a" in pair else "A"
             raise AdapterFormatError(f"{path}: module {module!r} has no LoRA {missing} weight")
         a, b = pair["a"], pair["b"]
-        if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[1] or not a.is_floating_point():
+        if (a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[1] or a.shape[0] == 0
+                or not a.is_floating_point() or not b.is_floating_point()):
             raise AdapterFormatError(
                 f"{path}: module {module!r} has LoRA weights of shapes {tuple(a.shape)} and {tuple(b.shape)}; "
                 "expected A (r, in) and B (out, r) with the same r"
@@ -198,12 +233,18 @@ def load_peft_adapter(path: str | Path) -> PeftAdapter:
                 f"{path}: module {module!r} has rank {rank} but adapter_config.json declares r = {declared}"
             )
         alpha = _pattern_value(alpha_pattern, module, config["lora_alpha"])
+        scaling = peft_scaling(alpha, rank, use_rslora)
+        if not abs(scaling) <= FLOAT32_MAX:
+            raise AdapterFormatError(
+                f"{path}: module {module!r} has scaling {scaling!r} (lora_alpha {alpha!r}, r {rank}), "
+                "which is not finite in float32"
+            )
         modules[module] = LoRAModuleWeights(
             name=module,
             kind=kinds[module],
             lora_a=a,
             lora_b=b,
-            scaling=peft_scaling(alpha, rank, use_rslora),
+            scaling=scaling,
         )
     return PeftAdapter(path=path, config=config, modules=modules)
 
