@@ -34,7 +34,7 @@ from typing import Callable, Sequence, TypeVar
 import numpy as np
 import torch
 
-from .checks import allocating, check_bool, check_finite_float, check_int, is_int
+from .checks import allocating, check_bool, check_device, check_finite_float, check_int, is_int
 from .graphs import is_capturing
 from .plans import BatchPlan
 from .staging import StagedTensors
@@ -406,18 +406,7 @@ def build_batch_info(
 
 # ---------------------------------------------------------------------- validation
 def _check_device(device: torch.device | str) -> torch.device:
-    """``device`` as a ``torch.device`` this process can allocate on, or ``ValueError`` naming it
-    (an unknown device string, a device type this torch build lacks, an absent index)."""
-    if isinstance(device, (bool, np.bool_)):
-        raise ValueError(f"device must be a torch.device or a device string like 'cpu' or 'cuda:0', got {device!r}")
-    try:
-        resolved = torch.device(device)
-        torch.empty(0, device=resolved)  # a torch build without the device type raises here, not later
-    except (RuntimeError, TypeError, ValueError, AssertionError, ImportError, NotImplementedError) as err:
-        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
-        raise ValueError(f"device must be a torch.device or a device string like 'cpu' or 'cuda:0' that this "
-                         f"process can use, got {device!r}: {reason}") from None
-    return resolved
+    return check_device("device", device)
 
 
 def _host_values(name: str, values: Sequence) -> list:

@@ -22,6 +22,7 @@ __all__ = [
     "check_bool",
     "check_finite_float",
     "check_float_dtype",
+    "check_device",
     "allocating",
 ]
 
@@ -94,3 +95,18 @@ def allocating(what: str, fn: Callable[[], T]) -> T:
         if isinstance(err, getattr(torch, "OutOfMemoryError", ())) or "allocate" in message:
             raise ValueError(f"{what}: cannot allocate the memory it needs ({message.splitlines()[0]})") from err
         raise
+
+
+def check_device(name: str, device: object) -> torch.device:
+    """``device`` as a ``torch.device`` this process can allocate on, or ``ValueError`` naming
+    ``name`` (an unknown device string, a device type this torch build lacks, an absent index)."""
+    if isinstance(device, (bool, np.bool_)):
+        raise ValueError(f"{name} must be a torch.device or a device string like 'cpu' or 'cuda:0', got {device!r}")
+    try:
+        resolved = torch.device(device)
+        torch.empty(0, device=resolved)  # a torch build without the device type raises here, not later
+    except (RuntimeError, TypeError, ValueError, AssertionError, ImportError, NotImplementedError) as err:
+        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise ValueError(f"{name} must be a torch.device or a device string like 'cpu' or 'cuda:0' that this "
+                         f"process can use, got {device!r}: {reason}") from None
+    return resolved

@@ -21,7 +21,7 @@ from typing import Sequence
 
 import torch
 
-from .checks import check_int, is_int
+from .checks import allocating, check_device, check_finite_float, check_float_dtype, check_int, is_int
 
 __all__ = ["LinearLoRABuffers", "EmbeddingLoRABuffers", "AdapterSlots", "slice_offsets_from_widths"]
 
@@ -41,6 +41,12 @@ def _check_slot(slot: int, num_slots: int) -> None:
 
 def _check_positive(name: str, value: int) -> None:
     check_int(name, value, minimum=1)
+
+
+def _check_dtype(dtype: object) -> None:
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be a torch.dtype, got {dtype!r}")
+    check_float_dtype("dtype", dtype)  # the buffers feed ops that take float32, float16 or bfloat16
 
 
 def _check_matrix(name: str, tensor: torch.Tensor, rows: int | None, cols: int | None, max_rank: int,
@@ -79,6 +85,8 @@ class LinearLoRABuffers:
         _check_positive("num_slots", num_slots)
         _check_positive("max_rank", max_rank)
         _check_positive("in_features", in_features)
+        _check_dtype(dtype)
+        device = check_device("device", device)
         self.slice_offsets = slice_offsets_from_widths(slice_widths)
         self.num_slots = num_slots
         self.max_rank = max_rank
@@ -86,8 +94,12 @@ class LinearLoRABuffers:
         self.num_slices = len(self.slice_offsets) - 1
         if self.num_slices == 0:
             raise ValueError("slice_widths must name at least one slice")
-        self.a = torch.zeros(num_slots, self.num_slices * max_rank, in_features, dtype=dtype, device=device)
-        self.b = torch.zeros(num_slots, self.slice_offsets[-1], max_rank, dtype=dtype, device=device)
+        sizes = (f"num_slots = {num_slots}, max_rank = {max_rank}, in_features = {in_features}, "
+                 f"slice_widths = {list(self.slice_widths)}")
+        self.a = allocating(sizes, lambda: torch.zeros(num_slots, self.num_slices * max_rank, in_features,
+                                                       dtype=dtype, device=device))
+        self.b = allocating(sizes, lambda: torch.zeros(num_slots, self.slice_offsets[-1], max_rank,
+                                                       dtype=dtype, device=device))
 
     @property
     def out_features(self) -> int:
@@ -163,16 +175,22 @@ class EmbeddingLoRABuffers:
         _check_positive("vocab_size", vocab_size)
         _check_positive("embedding_dim", embedding_dim)
         check_int("num_added_tokens", num_added_tokens, minimum=0)
+        _check_dtype(dtype)
+        device = check_device("device", device)
         self.num_slots = num_slots
         self.max_rank = max_rank
         self.vocab_size = vocab_size
         self.embedding_dim = embedding_dim
         self.num_added_tokens = num_added_tokens
         total = vocab_size + num_added_tokens
-        self.a = torch.zeros(num_slots, max_rank, total, dtype=dtype, device=device)
-        self.b = torch.zeros(num_slots, embedding_dim, max_rank, dtype=dtype, device=device)
+        sizes = (f"num_slots = {num_slots}, max_rank = {max_rank}, vocab_size = {vocab_size}, "
+                 f"embedding_dim = {embedding_dim}, num_added_tokens = {num_added_tokens}")
+        self.a = allocating(sizes, lambda: torch.zeros(num_slots, max_rank, total, dtype=dtype, device=device))
+        self.b = allocating(sizes, lambda: torch.zeros(num_slots, embedding_dim, max_rank, dtype=dtype,
+                                                       device=device))
         self.extra = (
-            torch.zeros(num_slots, num_added_tokens, embedding_dim, dtype=dtype, device=device)
+            allocating(sizes, lambda: torch.zeros(num_slots, num_added_tokens, embedding_dim, dtype=dtype,
+                                                  device=device))
             if num_added_tokens
             else None
         )
@@ -258,6 +276,7 @@ class AdapterSlots:
             raise ValueError(f"adapter {name!r} is already loaded in slot {self._names.index(name)}")
         if not is_int(rank) or not 0 < rank <= self.max_rank:
             raise ValueError(f"adapter {name!r} has rank {rank!r}; expected 1 <= rank <= max_rank = {self.max_rank}")
+        scaling = check_finite_float(f"scaling of adapter {name!r}", scaling, float32=True)
         try:
             slot = self._names.index(None)
         except ValueError:
@@ -266,8 +285,8 @@ class AdapterSlots:
                 "unload one first"
             ) from None
         self._names[slot] = name
-        self._ranks[slot] = rank
-        self._scalings[slot] = float(scaling)
+        self._ranks[slot] = int(rank)
+        self._scalings[slot] = scaling
         return slot
 
     def release(self, name: str) -> int:
