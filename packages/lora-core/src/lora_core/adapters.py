@@ -119,10 +119,19 @@ def _read_config(path: Path) -> dict:
         "modules_to_save": "fully trained modules (modules_to_save)",
         "trainable_token_indices": "trainable tokens (trainable_token_indices)",
         "target_parameters": "parameter targeting (target_parameters)",
+        "alora_invocation_tokens": "Activated LoRA, applied from the invocation tokens on (alora_invocation_tokens)",
+        "use_qalora": "QALoRA's pooled inputs (use_qalora)",
+        "layer_replication": "replicated layers (layer_replication)",
+        "kasa_config": "KaSA (kasa_config)",
+        "monteclora_config": "MonteCLoRA (monteclora_config)",
+        "arrow_config": "Arrow routing (arrow_config)",
+        "use_bdlora": "block-diagonal LoRA (use_bdlora)",
     }
     for key, what in unsupported.items():
         if config.get(key):
             raise AdapterFormatError(f"{config_path}: {what} is not supported")
+    if config.get("bias") not in (None, "none"):  # trained base biases are saved with the adapter
+        raise AdapterFormatError(f"{config_path}: trained biases (bias = {config['bias']!r}) are not supported")
     for key in ("r", "lora_alpha"):
         value = config.get(key)
         if not _is_positive_number(value):
