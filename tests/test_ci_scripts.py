@@ -72,14 +72,19 @@ def test_gpu_dry_run_pytest_requires_cuda_and_cuda_graph_and_writes_a_report(gpu
     for pair in [("--device", "cuda"), ("--device", "cuda-graph"), ("--require-device", "cuda"),
                  ("--require-device", "cuda-graph"), ("--device-report", str(out / "gpu-report.json"))]:
         assert pair in pairs, f"{pair} missing from {args}"
+    ignored = [a.split("=", 1)[1] for a in args if a.startswith("--ignore=")]
+    assert ignored == ["tests/test_install.py"] and (ROOT / ignored[0]).is_file()
     # pytest itself parses the exact argument list: every option and choice exists in conftest.py
+    # (collecting one small file: the options are checked the same whatever is collected)
     report = tmp_path / "collect.json"
     args = [a if a != str(out / "gpu-report.json") else str(report) for a in args]
-    run = subprocess.run([sys.executable, "-m", "pytest", *args, "--collect-only", "-q", "-p", "no:xdist"], cwd=ROOT,
+    run = subprocess.run([sys.executable, "-m", "pytest", *args, "--collect-only", "-q", "-p", "no:xdist",
+                          "packages/lora-core/tests/test_layout.py"], cwd=ROOT,
                          capture_output=True, text=True, env=_env(), timeout=600)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     data = json.loads(report.read_text())
     assert data["selected_devices"] == ["cuda", "cuda-graph"] and data["required_devices"] == ["cuda", "cuda-graph"]
+    assert "[cuda]" in run.stdout and "[cpu]" not in run.stdout, "only the cuda parameters are collected"
 
 
 def test_gpu_dry_run_benchmarks_lora_cuda_with_options_it_has(gpu_commands):

@@ -16,6 +16,7 @@ from importlib.util import find_spec
 from pathlib import Path
 
 import pytest
+from filelock import FileLock  # a dependency of torch
 
 from lora_core.testing import DEVICE_NAMES, probe_device
 from lora_core.testing.matrix import SCHEMA, load_report, main, merge, render
@@ -57,30 +58,37 @@ def _pytest(project: Path, *args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=900)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def project(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A directory with the root conftest.py and the tiny test files."""
-    root = tmp_path_factory.mktemp("project")
-    shutil.copy(ROOT_CONFTEST, root / "conftest.py")
-    (root / "pytest.ini").write_text("[pytest]\naddopts = -p no:cacheprovider\n")
-    (root / "test_tiny.py").write_text(TINY)
-    (root / "broken").mkdir()
-    (root / "broken" / "test_broken.py").write_text(BROKEN)
+    """A directory with the root conftest.py and the tiny test files, shared by xdist workers."""
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent  # this run's directory, above the per-worker ones
+    root = base / "device-report-project"
+    with FileLock(f"{root}.lock"):
+        if not (root / "conftest.py").is_file():
+            (root / "broken").mkdir(parents=True, exist_ok=True)
+            (root / "pytest.ini").write_text("[pytest]\naddopts = -p no:cacheprovider\n")
+            (root / "test_tiny.py").write_text(TINY)
+            (root / "broken" / "test_broken.py").write_text(BROKEN)
+            shutil.copy(ROOT_CONFTEST, root / "conftest.py")
     return root
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def two_runs(project: Path) -> tuple[Path, Path]:
-    """A CPU run (with a device that is absent here, if any) and a cpu-graphsim run."""
+    """A CPU run (with a device that is absent here, if any) and a cpu-graphsim run, made once per pytest run."""
     cpu, graphsim = project / "cpu.json", project / "graphsim.json"
-    absent = _absent_device()
-    extra = ["--device", absent] if absent else []
-    workers = ["-n", "2"] if find_spec("xdist") else []  # the report must survive xdist
-    first = _pytest(project, "test_tiny.py", "--device", "cpu", *extra, "--device-report", str(cpu), *workers)
-    assert first.returncode == 0, first.stdout + first.stderr
-    second = _pytest(project, "test_tiny.py", "--device", "cpu-graphsim", "--device-report", str(graphsim))
-    assert second.returncode == 0, second.stdout + second.stderr
-    assert f"lora-kit device report: {graphsim}" in second.stdout
+    with FileLock(f"{cpu}.lock"):
+        if not graphsim.is_file():
+            absent = _absent_device()
+            extra = ["--device", absent] if absent else []
+            workers = ["-n", "1"] if find_spec("xdist") else []  # the report must survive xdist (controller + a worker)
+            first = _pytest(project, "test_tiny.py", "--device", "cpu", *extra, "--device-report", str(cpu), *workers)
+            assert first.returncode == 0, first.stdout + first.stderr
+            second = _pytest(project, "test_tiny.py", "--device", "cpu-graphsim", "--device-report", str(graphsim))
+            assert second.returncode == 0, second.stdout + second.stderr
+            assert f"lora-kit device report: {graphsim}" in second.stdout
     return cpu, graphsim
 
 
@@ -109,12 +117,12 @@ def test_report_holds_the_host_the_probes_and_each_test_x_device(two_runs):
     assert data["exit_status"] == 0 and data["counts"]["passed"] >= 4
 
 
-def test_merged_matrix_shows_each_device_and_where_it_ran(two_runs, capsys):
+def test_merged_matrix_shows_each_device_and_where_it_ran(two_runs, capsys, tmp_path):
     cpu, graphsim = two_runs
-    assert main([str(cpu), str(graphsim), "--output", str(cpu.with_name("matrix.md"))]) == 0
+    assert main([str(cpu), str(graphsim), "--output", str(tmp_path / "matrix.md")]) == 0
     out = capsys.readouterr().out
     host = json.loads(cpu.read_text())["host"]
-    assert out == cpu.with_name("matrix.md").read_text()
+    assert out == (tmp_path / "matrix.md").read_text()
     header = "| test | " + " | ".join(DEVICE_NAMES) + " |"
     assert header in out
     row = next(line for line in out.splitlines() if line.startswith("| `test_tiny.py::test_on_every_device` |"))
@@ -141,8 +149,8 @@ def test_require_fails_when_a_device_never_passed_anywhere(two_runs, capsys):
     assert "**Result: FAIL**" in captured.out
 
 
-def test_failures_anywhere_fail_the_merge(project, two_runs, capsys):
-    report = project / "broken.json"
+def test_failures_anywhere_fail_the_merge(project, two_runs, capsys, tmp_path):
+    report = tmp_path / "broken.json"
     args = ["broken/test_broken.py", "--device", "cpu", "--device-report", str(report)]
     absent = _absent_device()
     if absent:
