@@ -93,7 +93,7 @@ def _nvidia_smi() -> dict[str, Any]:
 
 
 def environment() -> dict[str, Any]:
-    """Host and versions: python, torch, CUDA (torch's build), driver and GPUs, torch_npu, CANN."""
+    """Host and versions: python, torch, CUDA (torch's build), driver and GPUs, torch_npu, the CANN path."""
     import torch
 
     env: dict[str, Any] = {
@@ -105,7 +105,7 @@ def environment() -> dict[str, Any]:
         "driver": None,
         "gpus": [],
         "torch_npu": _version("torch_npu"),
-        "cann": os.environ.get("ASCEND_TOOLKIT_HOME") or os.environ.get("ASCEND_HOME_PATH"),
+        "ascend_toolkit_home": os.environ.get("ASCEND_TOOLKIT_HOME") or os.environ.get("ASCEND_HOME_PATH"),
         "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
     }
     env.update(_nvidia_smi())
