@@ -31,7 +31,7 @@ def infer_slice_widths(name: str, module: nn.Module, parts: Sequence[str], model
         kv = getattr(config, "num_key_value_heads", None) or heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         return [heads * head_dim, kv * head_dim, kv * head_dim]
-    out_features = module.out_features
+    out_features = getattr(module, "out_features", None) or getattr(module, "nf")  # nn.Linear, or a Conv1D
     if out_features % len(parts):
         raise ValueError(
             f"cannot split packed module {name!r} ({out_features} outputs) into {list(parts)}: "

@@ -9,6 +9,7 @@ given unsharded; tensor-parallel wrappers take their shard.
 | wrapper | base (local shard) | LoRA A | LoRA B | backend calls | communication |
 |---|---|---|---|---|---|
 | LinearWithLoRA | full | full | full | lora_a, lora_b (qkv, gate_up) | none |
+| Conv1DWithLoRA (transformers Conv1D, weight (in, out)) | full | full | full | lora_a, lora_b | none |
 | ColumnParallelLinearWithLoRA | out rows | full | out rows | lora_a, lora_b | optional all-gather |
 | MergedColumnParallelLinearWithLoRA | gate, up rows | full | rows of each | gate_up | optional all-gather |
 | QKVParallelLinearWithLoRA | q, k, v heads | full | rows of each | qkv | optional all-gather |
@@ -22,7 +23,8 @@ from .column_parallel import (
     MergedColumnParallelLinearWithLoRA,
     QKVParallelLinearWithLoRA,
 )
-from .context import LoRAContext, WrapTarget, flatten_tokens
+from .context import LoRAContext, WrapTarget, flatten_tokens, inference_forward
+from .conv1d import Conv1DWithLoRA, is_conv1d
 from .dispatch import LAYER_TYPES, wrap_module
 from .embedding import EmbeddingWithLoRA
 from .linear import LinearWithLoRA, SliceWeights
@@ -32,6 +34,7 @@ from .row_parallel import RowParallelLinearWithLoRA
 __all__ = [
     "LAYER_TYPES",
     "ColumnParallelLinearWithLoRA",
+    "Conv1DWithLoRA",
     "EmbeddingWithLoRA",
     "LMHeadWithLoRA",
     "LinearWithLoRA",
@@ -42,5 +45,7 @@ __all__ = [
     "SliceWeights",
     "WrapTarget",
     "flatten_tokens",
+    "inference_forward",
+    "is_conv1d",
     "wrap_module",
 ]

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
+from typing import Callable, TypeVar
 
 import torch
 
 from lora_core import LoRABackend
 
-__all__ = ["LoRAContext", "WrapTarget", "flatten_tokens"]
+__all__ = ["LoRAContext", "WrapTarget", "flatten_tokens", "inference_forward"]
+
+F = TypeVar("F", bound=Callable)
 
 
 class LoRAContext:
@@ -52,3 +56,24 @@ def flatten_tokens(x: torch.Tensor, features: int, layer: str) -> torch.Tensor:
     if x.shape[-1] != features:
         raise ValueError(f"{layer} expects inputs with {features} features in the last dim, got {tuple(x.shape)}")
     return x.reshape(-1, features)
+
+
+def inference_forward(forward: F) -> F:
+    """Run a wrapper's ``forward`` without autograd: the layers serve adapters (inference only).
+
+    The backends accumulate the LoRA delta into the base output in place and write
+    into preallocated outputs (``out=``), which autograd refuses. When grad mode is
+    on (a model called without ``torch.no_grad()``) the whole wrapped layer, base
+    and delta, runs under ``torch.no_grad()``: its output is the same, it carries no
+    graph, and no gradient reaches the wrapped layer's base weights or its adapters.
+    Under ``no_grad`` / ``inference_mode`` nothing changes.
+    """
+
+    @functools.wraps(forward)
+    def run(self, *args, **kwargs):
+        if torch.is_grad_enabled():
+            with torch.no_grad():
+                return forward(self, *args, **kwargs)
+        return forward(self, *args, **kwargs)
+
+    return run  # type: ignore[return-value]

@@ -11,13 +11,14 @@ from __future__ import annotations
 from torch import nn
 
 from .context import LoRAContext, WrapTarget
+from .conv1d import Conv1DWithLoRA
 from .embedding import EmbeddingWithLoRA
 from .linear import LinearWithLoRA
 from .lm_head import LMHeadWithLoRA
 
 __all__ = ["LAYER_TYPES", "wrap_module"]
 
-LAYER_TYPES: list[type[nn.Module]] = [EmbeddingWithLoRA, LMHeadWithLoRA, LinearWithLoRA]
+LAYER_TYPES: list[type[nn.Module]] = [EmbeddingWithLoRA, LMHeadWithLoRA, Conv1DWithLoRA, LinearWithLoRA]
 """Layer kinds in dispatch order."""
 
 

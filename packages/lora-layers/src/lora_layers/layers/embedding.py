@@ -9,7 +9,7 @@ from lora_core import EmbeddingLoRABuffers
 from lora_core.validation import check_token_ids
 
 from ..parallel import TensorParallel
-from .context import LoRAContext, WrapTarget
+from .context import LoRAContext, WrapTarget, inference_forward
 
 __all__ = ["EmbeddingWithLoRA"]
 
@@ -64,6 +64,7 @@ class EmbeddingWithLoRA(nn.Module):
     def reset_lora(self, slot: int) -> None:
         self.buffers.clear(slot)
 
+    @inference_forward
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """``ids: (...)`` integer -> ``(..., D)``."""
         lead = ids.shape

@@ -10,7 +10,7 @@ from torch import nn
 from lora_core import LinearLoRABuffers
 
 from ..parallel import TensorParallel
-from .context import LoRAContext, WrapTarget, flatten_tokens
+from .context import LoRAContext, WrapTarget, flatten_tokens, inference_forward
 
 __all__ = ["LinearWithLoRA", "SliceWeights"]
 
@@ -29,19 +29,25 @@ class LinearWithLoRA(nn.Module):
     def __init__(self, base_layer: nn.Linear, context: LoRAContext, slice_widths: Sequence[int] | None = None,
                  tp: TensorParallel | None = None) -> None:
         super().__init__()
-        if not isinstance(base_layer, nn.Linear):
-            raise TypeError(f"{type(self).__name__} wraps an nn.Linear, got {type(base_layer).__name__}")
+        self.in_features, self.out_features = self._features(base_layer)
         self.base_layer = base_layer
         self.context = context
         self.tp = tp or TensorParallel()
-        local = list(slice_widths) if slice_widths is not None else [base_layer.out_features]
-        if sum(local) != base_layer.out_features:
+        local = list(slice_widths) if slice_widths is not None else [self.out_features]
+        if sum(local) != self.out_features:
             raise ValueError(
-                f"slice_widths {local} sum to {sum(local)}, but the base layer has {base_layer.out_features} outputs"
+                f"slice_widths {local} sum to {sum(local)}, but the base layer has {self.out_features} outputs"
             )
         self.buffers = LinearLoRABuffers(num_slots=context.num_slots, max_rank=context.max_rank,
-                                         in_features=base_layer.in_features, slice_widths=local,
+                                         in_features=self.in_features, slice_widths=local,
                                          dtype=context.dtype, device=context.device)
+
+    @classmethod
+    def _features(cls, base_layer: nn.Module) -> tuple[int, int]:
+        """``(in_features, out_features)`` of the (local) base layer; ``TypeError`` for a module of another kind."""
+        if not isinstance(base_layer, nn.Linear):
+            raise TypeError(f"{cls.__name__} wraps an nn.Linear, got {type(base_layer).__name__}")
+        return base_layer.in_features, base_layer.out_features
 
     # -- dispatch (lora_layers.layers.dispatch)
     @classmethod
@@ -88,8 +94,9 @@ class LinearWithLoRA(nn.Module):
     def _finish(self, out: torch.Tensor) -> torch.Tensor:
         return out
 
+    @inference_forward
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
-        x2 = flatten_tokens(x, self.base_layer.in_features, type(self).__name__)
+        x2 = flatten_tokens(x, self.in_features, type(self).__name__)
         out = self._finish(self._lora(x2, self._base(x2)))
         return out.reshape(*lead, out.shape[-1])

@@ -7,7 +7,7 @@ from torch import nn
 
 from ..parallel import TensorParallel
 from .column_parallel import ColumnParallelLinearWithLoRA
-from .context import LoRAContext, WrapTarget, flatten_tokens
+from .context import LoRAContext, WrapTarget, flatten_tokens, inference_forward
 
 __all__ = ["LMHeadWithLoRA"]
 
@@ -31,6 +31,7 @@ class LMHeadWithLoRA(ColumnParallelLinearWithLoRA):
     def wrap(cls, module: nn.Module, context: LoRAContext, target: WrapTarget) -> LMHeadWithLoRA:
         return cls(module, context)
 
+    @inference_forward
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden: (..., H)`` with every token's row, or one row per non-empty request."""
         lead = hidden.shape[:-1]
