@@ -23,7 +23,8 @@ from .serving import build_multilora
 from lora_core.testing.timing import machine_info
 from .workload import DEFAULT_CONFIG, Workload, default_workload
 
-__all__ = ["build_parser", "check_adapters_fit", "main", "parse_adapters", "parse_config"]
+__all__ = ["TRANSFORMERS_KEYS", "build_parser", "check_adapters_fit", "main", "parse_adapters", "parse_config",
+           "read_model_config"]
 
 DESCRIPTION = "simulate a multi-LoRA serving run on every installed backend and device"
 
@@ -41,11 +42,21 @@ Timings are medians over --rounds rounds with their min-max spread; in each roun
 the LoRA model and the base model run interleaved (prefill by prefill, decode step
 by decode step). --json carries every per-round sample.
 
+--model-config: a JSON file or inline JSON object of the model's sizes, either
+lora-sim's own keys (vocab_size, hidden_size, intermediate_size, num_hidden_layers,
+num_attention_heads, num_key_value_heads, fused, seed; the rest keep the default)
+or a transformers config.json (it has model_type or architectures): its
+vocab_size, hidden_size, intermediate_size, num_hidden_layers,
+num_attention_heads and num_key_value_heads are used, every other key is ignored
+(a note on stderr says which). --adapter adapters are served at the largest rank
+among them.
+
 examples:
   lora-sim                       # the default run, a table on stdout
   lora-sim devices               # what was probed and found
   lora-sim bench --smoke         # the installed op benchmarks, tiny shapes
   lora-sim --adapter sql=path/to/peft_dir --model-config '{{"hidden_size": 512}}'
+  lora-sim --adapter sql=path/to/peft_dir --model-config path/to/base_model/config.json
 
 exit status:
   run      0 when every row that ran is within tolerance, 1 when one is not
@@ -58,22 +69,69 @@ exit status:
 """
 
 
-def parse_config(text: str | None) -> TinyConfig:
-    """The model config of ``--model-config``: ``None`` for the default, else a JSON
-    file or inline JSON object of :class:`~lora_layers.TinyConfig` fields overriding it."""
+TRANSFORMERS_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads")
+"""The keys of a transformers ``config.json`` (Llama, Qwen2, Mistral, ... naming) that lora-sim's model reads."""
+
+
+def _is_transformers_config(values: dict) -> bool:
+    return "model_type" in values or "architectures" in values
+
+
+def _from_transformers(values: dict) -> tuple[dict, str]:
+    """The :class:`TinyConfig` fields of a transformers config, and a note saying what was ignored."""
+    missing = [k for k in ("hidden_size", "num_attention_heads") if not isinstance(values.get(k), int)]
+    if missing:
+        raise UsageError(f"--model-config: this transformers config has no {', '.join(missing)} "
+                         f"(lora-sim reads {', '.join(TRANSFORMERS_KEYS)})")
+    fields = {k: values[k] for k in TRANSFORMERS_KEYS if values.get(k) is not None}
+    fields.setdefault("num_key_value_heads", fields["num_attention_heads"])
+    head_dim = values.get("head_dim")
+    if head_dim is not None and head_dim * fields["num_attention_heads"] != fields["hidden_size"]:
+        raise UsageError(f"--model-config: head_dim = {head_dim} is not hidden_size / num_attention_heads "
+                         f"({fields['hidden_size']} / {fields['num_attention_heads']}); lora-sim's model derives it")
+    ignored = sorted(set(values) - set(fields) - {"head_dim"})
+    shown = ", ".join(ignored[:6]) + (", ..." if len(ignored) > 6 else "")
+    kind = values.get("model_type") or (values.get("architectures") or ["?"])[0]
+    note = (f"--model-config: a transformers config ({kind}): using {', '.join(sorted(fields))}; "
+            f"ignoring {len(ignored)} other key(s) ({shown})" if ignored else
+            f"--model-config: a transformers config ({kind}): using {', '.join(sorted(fields))}")
+    return fields, note
+
+
+def _read_file(text: str) -> str:
+    try:
+        return Path(text).read_text()
+    except OSError:  # not a readable file: given as inline JSON, which json.loads judges
+        return text
+
+
+def read_model_config(text: str | None) -> tuple[TinyConfig, str | None]:
+    """The model config of ``--model-config`` and a note for the user (or ``None``).
+
+    ``text`` is ``None`` (the default model), or a JSON file or inline JSON object that is
+    either :class:`~lora_layers.TinyConfig` fields overriding the default (an unknown key is
+    an error), or a transformers ``config.json`` (it has ``model_type`` or
+    ``architectures``): its :data:`TRANSFORMERS_KEYS` override the default and every other
+    key is ignored, which the note says.
+    """
     if text is None:
-        return DEFAULT_CONFIG
-    source = Path(text).read_text() if Path(text).is_file() else text
+        return DEFAULT_CONFIG, None
+    source = text if text.lstrip().startswith("{") else _read_file(text)
     try:
         values = json.loads(source)
     except json.JSONDecodeError as err:
         raise UsageError(f"--model-config is neither a JSON file nor inline JSON: {err}") from None
     if not isinstance(values, dict):
         raise UsageError("--model-config must be a JSON object, e.g. '{\"hidden_size\": 512}'")
+    note = None
+    if _is_transformers_config(values):
+        values, note = _from_transformers(values)
     known = {f.name for f in dataclasses.fields(TinyConfig)}
     unknown = sorted(set(values) - known)
     if unknown:
-        raise UsageError(f"--model-config: unknown keys {unknown}; known: {sorted(known)}")
+        raise UsageError(f"--model-config: unknown keys {unknown}; known: {sorted(known)} "
+                         "(or give a transformers config.json)")
     try:
         config = TinyConfig(**{**DEFAULT_CONFIG.to_dict(), **values})
         if config.hidden_size % config.num_attention_heads or config.num_attention_heads % config.num_key_value_heads:
@@ -81,7 +139,12 @@ def parse_config(text: str | None) -> TinyConfig:
                              "and num_attention_heads by num_key_value_heads")
     except (TypeError, ZeroDivisionError) as err:
         raise UsageError(f"--model-config: {err}") from None
-    return config
+    return config, note
+
+
+def parse_config(text: str | None) -> TinyConfig:
+    """The model config of ``--model-config`` (see :func:`read_model_config`)."""
+    return read_model_config(text)[0]
 
 
 def parse_adapters(specs: Sequence[str]) -> dict[str, Path]:
@@ -145,7 +208,9 @@ def build_parser() -> argparse.ArgumentParser:
 def _run(args: argparse.Namespace) -> int:
     backends = _check_choice("backend", args.backend, available_backends())
     devices = _check_choice("device", args.device, DEVICE_NAMES)
-    config = parse_config(args.model_config)
+    config, note = read_model_config(args.model_config)
+    if note:
+        print(f"lora-sim: {note}", file=sys.stderr)
     if args.decode_steps < 1:
         raise UsageError("--decode-steps must be at least 1")
     if args.rounds < 3:

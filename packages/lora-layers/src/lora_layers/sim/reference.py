@@ -9,12 +9,13 @@ from typing import Mapping, Sequence
 import torch
 
 from lora_core import load_peft_adapter
+from lora_core.testing import TOLERANCES
 
 from ..models import TinyDecoder
 from ..packing import LLAMA_PACKED_MODULES, infer_slice_widths
 from .serving import packed_module_of
 
-__all__ = ["merged_reference_models", "reference_logits"]
+__all__ = ["ScaledCheck", "merged_reference_models", "reference_logits"]
 
 
 def merged_reference_models(base: TinyDecoder, adapter_paths: Mapping[str, Path]) -> dict[str | None, TinyDecoder]:
@@ -58,3 +59,41 @@ def reference_logits(models: Mapping[str | None, TinyDecoder], ids: torch.Tensor
             rows.append(logits[-1:] if last_only else logits)
             start += n
     return torch.cat(rows)
+
+
+class ScaledCheck:
+    """Compares outputs with the reference at a tolerance relative to the output's magnitude.
+
+    An output passes when ``|got - want| <= atol * max(1, max |want|) + rtol * |want|``
+    elementwise, with ``(rtol, atol)`` the fp32 entry of ``lora_core.testing.TOLERANCES``:
+    fp32 rounding grows with the size of the values summed, so a valid adapter with large
+    weights (logits of tens or hundreds) is not judged at the absolute tolerance of unit-scale
+    logits. Keeps the largest absolute error and the largest error relative to ``max |want|``.
+    Called as ``check(got, want)``; ``ok`` says whether every output passed.
+    """
+
+    def __init__(self, dtype: torch.dtype = torch.float32) -> None:
+        self.rtol, self.atol = TOLERANCES[dtype]
+        self.errors: list[float] = []
+        self.relative_errors: list[float] = []
+        self.ok = True
+
+    def __call__(self, got: torch.Tensor, want: torch.Tensor) -> None:
+        got, want = got.float().cpu(), want.float().cpu()
+        scale = max(1.0, want.abs().max().item()) if want.numel() else 1.0
+        error = (got - want).abs().max().item() if want.numel() else 0.0
+        self.errors.append(error)
+        self.relative_errors.append(error / scale)
+        self.ok = self.ok and bool(torch.isclose(got, want, rtol=self.rtol, atol=self.atol * scale).all())
+
+    @property
+    def max_error(self) -> float:
+        return torch.tensor(self.errors).max().item()  # NaN propagates
+
+    @property
+    def max_relative_error(self) -> float:
+        return torch.tensor(self.relative_errors).max().item()
+
+    @property
+    def tolerance(self) -> str:
+        return f"fp32 rtol={self.rtol:g} atol={self.atol:g} x max(1, max|ref|)"

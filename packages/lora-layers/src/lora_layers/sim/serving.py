@@ -8,6 +8,8 @@ from typing import Mapping
 
 from torch import nn
 
+from lora_core import load_peft_adapter
+
 from ..models import TinyConfig
 from ..multilora import MultiLoRA
 from ..packing import LLAMA_PACKED_MODULES
@@ -22,7 +24,7 @@ PROJECTIONS = ATTENTION + MLP
 WHOLE_MODEL = ("embed_tokens", "lm_head")
 """Modules outside the layers that adapters may target too."""
 MAX_RANK = 64
-"""The largest adapter rank served (the synthetic adapters go up to it)."""
+"""The largest rank of the synthetic adapters (given adapters are served at their own largest rank)."""
 
 
 def packed_module_of(projection: str) -> str | None:
@@ -56,12 +58,15 @@ def build_multilora(model: nn.Module, config: TinyConfig, adapter_paths: Mapping
                     backend: str | None = None) -> MultiLoRA:
     """Wrap :func:`target_modules` of ``model`` (in place) and load every adapter.
 
-    ``backend`` is a registered backend name (``lora_core.available_backends()``);
-    ``None`` takes :class:`~lora_layers.MultiLoRA`'s default. Raises ``ValueError``
-    when an adapter does not fit the model.
+    The buffers' rank is the largest of the adapters (:data:`MAX_RANK` without
+    adapters). ``backend`` is a registered backend name
+    (``lora_core.available_backends()``); ``None`` takes
+    :class:`~lora_layers.MultiLoRA`'s default. Raises ``ValueError`` when an
+    adapter does not fit the model.
     """
     kwargs = {} if backend is None else {"backend": backend}
-    mlora = MultiLoRA(model, target_modules(config), max_loras=max(1, len(adapter_paths)), max_rank=MAX_RANK,
+    max_rank = max((load_peft_adapter(p).rank for p in adapter_paths.values()), default=MAX_RANK)
+    mlora = MultiLoRA(model, target_modules(config), max_loras=max(1, len(adapter_paths)), max_rank=max_rank,
                       packed_modules=packed_modules(config), **kwargs)
     for name, path in adapter_paths.items():
         mlora.load_adapter(name, path)
