@@ -24,8 +24,9 @@ from lora_core.testing import TOLERANCES  # noqa: E402
 from lora_layers import MultiLoRA  # noqa: E402
 from lora_layers.layers import Conv1DWithLoRA  # noqa: E402
 
+# no end-of-sequence token: every row generates every token
 SMALL = dict(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
-             pad_token_id=0, bos_token_id=1, eos_token_id=2)
+             pad_token_id=0, bos_token_id=1, eos_token_id=None)
 # adapter names must not be substrings of module names: PEFT's save_pretrained filters tensors by name
 ADAPTERS = {
     "llama": {
@@ -61,7 +62,7 @@ def _base_model(kind, dtype=torch.float32):
         model = transformers.Qwen2ForCausalLM(config)
     else:
         config = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=64, vocab_size=128,
-                                         pad_token_id=0, bos_token_id=1, eos_token_id=2)
+                                         pad_token_id=0, bos_token_id=1, eos_token_id=None)
         model = transformers.GPT2LMHeadModel(config)
     return model.to(dtype).eval()
 
@@ -78,6 +79,10 @@ def served(request, tmp_path_factory):
                                     adapter_name=names[0])
         for name in names[1:]:
             model.add_adapter(name, peft.LoraConfig(init_lora_weights=False, **ADAPTERS[kind][name]))
+        with torch.no_grad():  # random B at the scale of the base weights: the adapters steer, not swamp
+            for param_name, param in model.named_parameters():
+                if "lora_B" in param_name or "lora_embedding_B" in param_name:
+                    param.mul_(0.05)
         model.eval()
         out = tmp_path_factory.mktemp(f"{kind}-adapters")
         model.save_pretrained(str(out), selected_adapters=names)
@@ -123,6 +128,8 @@ def test_greedy_generate_of_a_mixed_batch_gives_peft_tokens(device, backend, ser
     with mlora.route(ROUTE):
         got = model.generate(input_ids=ids.to(model.device), attention_mask=mask.to(model.device), **kw)
     assert torch.equal(got.sequences.cpu(), want.sequences)
+    new_tokens = want.sequences[:, ids.shape[1]:].tolist()
+    assert len(set(map(tuple, new_tokens))) == len(ROUTE), new_tokens  # each row generates its own tokens
     rtol, atol = TOLERANCES[torch.float32]
     for step_got, step_want in zip(got.logits, want.logits, strict=True):
         torch.testing.assert_close(step_got.cpu(), step_want, rtol=rtol, atol=atol)

@@ -1,0 +1,33 @@
+"""The offline examples run: serving PEFT adapters with generate() on a tiny Llama, and the PEFT benchmark (smoke)."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers", reason="needs transformers (tests/requirements.txt)")
+pytest.importorskip("peft", reason="needs peft (tests/requirements.txt)")
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_serve_peft_llama_matches_peft_on_every_backend(capsys):
+    assert _load("serve_peft_llama").main(["--max-new-tokens", "5"]) == 0
+    out = capsys.readouterr().out
+    assert "torch_native: wrapped 16 modules" in out and "tokens match PEFT's" in out and "DIFFER" not in out
+
+
+def test_bench_peft_smoke_checks_and_times_every_variant(capsys, tmp_path):
+    assert _load("bench_peft").main(["--smoke", "--json", str(tmp_path / "bench.json")]) == 0
+    out = capsys.readouterr().out
+    for variant in ("| prefill | base |", "| prefill | peft |", "| decode | lora-kit torch_native |"):
+        assert variant in out
+    assert "target (decode, lora-kit torch_native): LoRA overhead at most 0.33 of PEFT's" in out
+    assert (tmp_path / "bench.json").is_file()
