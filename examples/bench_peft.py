@@ -114,7 +114,10 @@ def decode(model, ids, mask, route=None, mlora=None) -> Callable[[], torch.Tenso
     from transformers import DynamicCache
 
     kw = {} if route is None else {"adapter_names": route}
-    cache = DynamicCache(config=model.config)
+    try:
+        cache = DynamicCache(config=model.config)
+    except TypeError:  # transformers before 4.56
+        cache = DynamicCache()
     with torch.no_grad():
         if mlora is None:
             model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True, **kw)

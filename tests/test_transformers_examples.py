@@ -31,3 +31,16 @@ def test_bench_peft_smoke_checks_and_times_every_variant(capsys, tmp_path):
         assert variant in out
     assert "target (decode, lora-kit torch_native): LoRA overhead at most 0.33 of PEFT's" in out
     assert (tmp_path / "bench.json").is_file()
+
+
+def test_the_example_of_docs_transformers_md_runs(capsys, tmp_path, monkeypatch):
+    import re
+    import warnings
+
+    doc = EXAMPLES.parent / "docs" / "transformers.md"
+    (block,) = re.findall(r"^```python\n(.*?)^```", doc.read_text(), re.S | re.M)[:1]
+    monkeypatch.chdir(tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        exec(compile(block, str(doc), "exec"), {"__name__": "__docs_example__"})
+    assert "tokens equal PEFT's" in capsys.readouterr().out
