@@ -48,9 +48,9 @@ def requests(num_slots: int, max_requests: int = 40, max_len: int = 50):
 
 
 @st.composite
-def adapters(draw, max_slots: int = 8, max_rank: int = 16):
+def adapters(draw, max_slots: int = 8, max_rank: int = 16, aligned: bool = False):
     L = draw(st.integers(1, max_slots))
-    R = draw(st.integers(1, max_rank))
+    R = draw(st.sampled_from([8, 16]) if aligned else st.integers(1, max_rank))
     ranks = draw(st.lists(st.integers(0, R), min_size=L, max_size=L))
     scalings = draw(st.lists(st.floats(-4, 4, allow_nan=False, width=32), min_size=L, max_size=L))
     return R, ranks, scalings
@@ -58,14 +58,17 @@ def adapters(draw, max_slots: int = 8, max_rank: int = 16):
 
 @st.composite
 def scenarios(draw, max_slots: int = 8, max_rank: int = 16):
-    """Adapters, two batches over them, the mode, backend and kernel, dtype, seed."""
-    R, ranks, scalings = draw(adapters(max_slots, max_rank))
+    """Adapters, two batches over them, the mode, backend and kernel, dtype, seed. Half the
+    cases have 16-byte aligned sizes and contiguous weights, which the grouped GEMM needs
+    (the other half exercise its fallback)."""
+    aligned = draw(st.booleans())
+    R, ranks, scalings = draw(adapters(max_slots, max_rank, aligned))
     return dict(
-        R=R, ranks=ranks, scalings=scalings,
+        R=R, ranks=ranks, scalings=scalings, aligned=aligned,
         batch_a=draw(requests(len(ranks))), batch_b=draw(requests(len(ranks))),
         graph=draw(st.booleans()), padding=draw(st.integers(0, 5)),
         backend=draw(st.sampled_from(BACKENDS)), kernel=draw(st.sampled_from(KERNELS)),
-        dtype=draw(st.sampled_from(DTYPES)), strided=draw(st.booleans()),
+        dtype=draw(st.sampled_from(DTYPES)), strided=not aligned and draw(st.booleans()),
         seed=draw(st.integers(0, 2**31 - 1)),
     )
 
@@ -165,6 +168,8 @@ def test_linear_ops_match_reference(device, case, num_slices, widths, in_feature
     runner = Runner(device, case)
     dtype, R, ranks, L = case["dtype"], case["R"], case["ranks"], len(case["ranks"])
     widths = widths[:num_slices]
+    if case["aligned"]:  # multiples of 8 elements: 16 bytes in every dtype
+        widths, in_features, vocab = [8 * w for w in widths], 8 * (1 + in_features % 5), 8 * (1 + vocab % 4)
     offsets = [0]
     for w in widths:
         offsets.append(offsets[-1] + w)

@@ -26,6 +26,9 @@ def test_qkv_with_replicated_kv_heads_matches_the_unsharded_layer(tmp_path, worl
     procs = [subprocess.Popen([sys.executable, str(WORKER), str(rank), str(world), init], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in range(world)]
     outputs = [p.communicate(timeout=240)[0] for p in procs]
-    for rank, (p, out) in enumerate(zip(procs, outputs)):
-        assert p.returncode == 0, f"rank {rank} failed:\n{out}"
+    failed = [rank for rank, p in enumerate(procs) if p.returncode != 0]
+    # a rank that fails its check takes the others down with it: show the mismatch first
+    failed.sort(key=lambda rank: "AssertionError" not in outputs[rank])
+    assert not failed, "\n".join(f"rank {rank} failed:\n{outputs[rank][-3000:]}" for rank in failed)
+    for rank, out in enumerate(outputs):
         assert f"rank {rank}: {LAYOUTS} qkv layouts match" in out, out
