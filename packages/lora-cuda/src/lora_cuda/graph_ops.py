@@ -25,6 +25,14 @@ each op and an option of the backend, never process-wide state.
 Every op launches the same kernels whatever the batch's segments and slots, reads
 nothing on the host, and keeps every shape fixed by the batch info's capacity.
 Inputs are validated by the dispatcher in :mod:`lora_cuda.ops`.
+
+Under ``torch.compile`` (``torch.compiler.is_compiling()``) the shrink and the
+expand trace as one custom op each (:mod:`lora_cuda.custom_ops`): the compiled
+graph holds an opaque call whose fake implementation gives the output's shape,
+and the kernel above (its choice, plan look-ups and lazily created tables and
+workspaces included) runs when the op runs, on real tensors. So no meta/fake
+rule of ``torch._grouped_mm`` is ever consulted and the compiled code's guards
+read no batch content (docs/compile.md).
 """
 
 from __future__ import annotations
@@ -33,7 +41,7 @@ import torch
 
 from lora_core import BatchInfo
 
-from .graph_plans import BlockPlan, SortedPlan
+from .graph_plans import BlockPlan, SortedPlan, batch_args, batch_key
 
 __all__ = [
     "GRAPH_KERNELS",
@@ -99,6 +107,11 @@ def sgemm_lora_a_graph_fwd(
 ) -> torch.Tensor:
     """Scaled shrink. ``x: (T, in)``, ``weights: (L, c*R, in)`` -> ``(T, c*R)`` in ``x.dtype``;
     ``kernel`` is a preference of :data:`GRAPH_KERNELS`."""
+    if torch.compiler.is_compiling():  # one custom op; this function runs inside it (lora_cuda.custom_ops)
+        key, host = batch_args(batch_info, x, weights)
+        return torch.ops.lora_cuda.shrink(x, weights, key, host, num_slices, kernel)
+    if batch_info.use_graph:
+        batch_key(batch_info)  # a warm-up call prepares the batch for compiling
     T, in_features = x.shape
     L, cR = weights.shape[:2]
     out = x.new_zeros(T, cR)
@@ -134,6 +147,13 @@ def sgemm_lora_b_graph_fwd(
 ) -> torch.Tensor:
     """Expand. ``x: (T, c*R)``, ``weights: (L, out_total, R)`` -> ``(T, out_total)``,
     accumulated into ``base_output`` in place when given; ``kernel`` as for the shrink."""
+    if torch.compiler.is_compiling():  # one custom op that updates base_output in place (lora_cuda.custom_ops)
+        out = base_output if base_output is not None else x.new_zeros(x.shape[0], slice_offsets[-1])
+        key, host = batch_args(batch_info, x, weights, out)
+        torch.ops.lora_cuda.expand_(x, weights, key, host, list(slice_offsets), out, kernel)
+        return out
+    if batch_info.use_graph:
+        batch_key(batch_info)
     T, cR = x.shape
     L, R, out_total = weights.shape[0], weights.shape[2], slice_offsets[-1]
     num_slices = len(slice_offsets) - 1
@@ -178,6 +198,8 @@ def sgemm_lora_a_embedding_graph_fwd(
 ) -> torch.Tensor:
     """Scaled embedding shrink by one 3-D gather. ``ids: (T,)`` integer,
     ``weights: (L, R, V_total)`` -> ``(T, R)``; ids outside ``[0, num_valid_ids)`` get zeros."""
+    if batch_info.use_graph and not torch.compiler.is_compiling():
+        batch_key(batch_info)
     T, R = ids.shape[0], weights.shape[1]
     if T == 0 or weights.shape[0] == 0:
         return weights.new_zeros(T, R)

@@ -12,9 +12,18 @@ graph replays on the new batch.
 * :class:`BlockPlan` (token blocks): each slot's tokens packed into blocks of
   ``b`` rows, ``NB = ceil(T / b) + L`` blocks, at most one partly filled block
   per slot; padding rows point at token 0 and are invalid.
+
+Under ``torch.compile`` the kernels run inside lora_cuda's custom ops
+(:mod:`lora_cuda.custom_ops`), which take a batch as an int: a graph-mode batch's
+:func:`batch_key`, given to it when its first plan is built (``prepare_batch`` or
+a warm-up call, before compiling) and kept for its lifetime, refills included;
+:func:`batch_args` is what the compiled code passes for a batch (docs/compile.md).
 """
 
 from __future__ import annotations
+
+import itertools
+import weakref
 
 import numpy as np
 import torch
@@ -22,7 +31,8 @@ import torch
 from lora_core import BatchInfo, BatchPlan
 from lora_core.staging import StagedTensors
 
-__all__ = ["SortedPlan", "BlockPlan", "block_size_for", "MIN_BLOCK_SIZE", "MAX_BLOCK_SIZE"]
+__all__ = ["SortedPlan", "BlockPlan", "batch_args", "batch_key", "batch_of_key", "block_size_for",
+           "MIN_BLOCK_SIZE", "MAX_BLOCK_SIZE"]
 
 MIN_BLOCK_SIZE, MAX_BLOCK_SIZE = 8, 256
 
@@ -32,6 +42,62 @@ def block_size_for(num_rows: int, num_slots: int) -> int:
     in ``[MIN_BLOCK_SIZE, MAX_BLOCK_SIZE]`` (padding is at most one block per slot)."""
     share = max(1, num_rows // (2 * max(1, num_slots)))
     return min(MAX_BLOCK_SIZE, max(MIN_BLOCK_SIZE, 1 << (share.bit_length() - 1)))
+
+
+_KEYS: dict[int, int] = {}  # id(batch info) -> key, while the batch info lives (a plain dict: traceable)
+_BATCHES: weakref.WeakValueDictionary[int, BatchInfo] = weakref.WeakValueDictionary()
+_NEXT_KEY = itertools.count(1)
+
+
+def batch_key(batch_info: BatchInfo) -> int:
+    """The batch info's key for lora_cuda's custom ops: a positive int, the same for the
+    batch info's whole life (refills change its content, not its key), never reused.
+
+    Graph-mode batch infos get theirs when a graph plan is built (``prepare_batch``) or a
+    graph-safe op first runs on them eagerly (a warm-up), before any compile."""
+    key = _KEYS.get(id(batch_info))
+    if key is None:
+        key = _KEYS[id(batch_info)] = next(_NEXT_KEY)
+        _BATCHES[key] = batch_info
+        weakref.finalize(batch_info, _KEYS.pop, id(batch_info), None)
+    return key
+
+
+def batch_of_key(key: int) -> BatchInfo:
+    """The live batch info of :func:`batch_key` ``key`` (``RuntimeError`` once it is gone)."""
+    batch_info = _BATCHES.get(key)
+    if batch_info is None:
+        raise RuntimeError(f"lora_cuda: the batch info of key {key} no longer exists; a compiled function "
+                           "must be called with the graph-mode batch info it was compiled with")
+    return batch_info
+
+
+def batch_args(batch_info: BatchInfo, *tensors: torch.Tensor) -> tuple[int, list[torch.Tensor]]:
+    """How compiled code hands ``batch_info`` to lora_cuda's custom ops: ``(key, host tensors)``;
+    ``tensors`` are the op's tensor inputs, which must not require grad (the ops have no backward).
+
+    Read while tracing, this reads no batch content, so the compiled code's guards hold
+    for every later batch: a graph-mode batch passes its :func:`batch_key` (guarded: the
+    same batch info object) and no tensors; an eager batch passes key 0 and its host
+    mirrors ``token_slots`` (as many rows as the op's input), ``lora_ranks`` and ``scalings``:
+    graph inputs whose sizes are the only thing guarded, from which the op plans the batch
+    when it runs.
+    """
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        raise RuntimeError(
+            "lora_cuda's ops are inference-only under torch.compile (their custom ops have no backward): "
+            "call the compiled model under torch.no_grad() or torch.inference_mode() (docs/compile.md)"
+        )
+    if not batch_info.use_graph:
+        return 0, [batch_info.token_slots_cpu, batch_info.lora_ranks_cpu, batch_info.scalings_cpu]
+    key = _KEYS.get(id(batch_info))
+    if key is None:
+        raise RuntimeError(
+            "a graph-mode batch info reached torch.compile before it was prepared; call "
+            "backend.prepare_batch(batch_info) (MultiLoRA.enable_graph does), or run the step once eagerly, "
+            "before compiling (docs/compile.md)"
+        )
+    return key, []
 
 
 class _SlotOrder:
@@ -82,10 +148,14 @@ class _KernelTables:
 
     Both are created on first use. During a graph capture that is allowed: the
     table is then also computed inside the graph, from the plan's device tensors,
-    so a replay reads the refilled batch either way.
+    so a replay reads the refilled batch either way. Under ``torch.compile`` they
+    are created and looked up inside lora_cuda's custom ops, when the op runs:
+    the compiled code never reads these dicts, so their growth guards nothing.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, batch_info: BatchInfo) -> None:
+        if batch_info.use_graph:
+            batch_key(batch_info)  # for compiled code: see batch_args
         self._tables: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self._workspaces: dict[tuple, torch.Tensor] = {}
 
@@ -143,7 +213,7 @@ class SortedPlan(_KernelTables, BatchPlan):
     """
 
     def __init__(self, batch_info: BatchInfo) -> None:
-        super().__init__()
+        super().__init__(batch_info)
         self.num_rows, L = batch_info.num_tokens, batch_info.num_slots
         self._staged = StagedTensors(
             {"sorted_tokens": ((self.num_rows,), torch.int64), "sorted_ranks": ((self.num_rows,), torch.int32),
@@ -187,7 +257,7 @@ class BlockPlan(_KernelTables, BatchPlan):
     """
 
     def __init__(self, batch_info: BatchInfo) -> None:
-        super().__init__()
+        super().__init__(batch_info)
         rows, L = batch_info.num_tokens, batch_info.num_slots
         self.block_size = b = block_size_for(rows, L)
         self.num_blocks = nb = -(-rows // b) + L

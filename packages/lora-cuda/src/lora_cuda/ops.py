@@ -9,6 +9,13 @@ embedding, ``strict_token_ids``.
 
 Validation reads shapes, dtypes, devices and host-side batch data only, so it
 never synchronises the device and is safe under graph capture.
+
+Under ``torch.compile`` (``torch.compiler.is_compiling()``) each op traces as one
+custom op of :mod:`lora_cuda.custom_ops`, which validates and runs the
+graph-safe kernel when the compiled code runs: nothing here reads the batch's
+content while tracing, so a refilled graph-mode batch reuses the compiled code,
+and an eager batch takes the graph-safe kernels too (the control-flow ops' host
+loop would specialize the compiled code to one batch's segments). docs/compile.md.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from lora_core.validation import (
     check_token_ids,
 )
 
+from .custom_ops import compiled_embedding_shrink
 from .control_ops import (
     sgemm_lora_a_control_fwd,
     sgemm_lora_a_embedding_control_fwd,
@@ -57,6 +65,8 @@ def sgemm_lora_a_fwd(
 
         out[t, i*R : i*R + r] = s * x[t] @ weights[slot_t, i*R : i*R + r].T
     """
+    if torch.compiler.is_compiling():  # checked and run inside lora_cuda::shrink, when it runs
+        return sgemm_lora_a_graph_fwd(x, weights, batch_info, num_slices, kernel=check_graph_kernel(graph_kernel))
     check_lora_a_inputs(x, weights, batch_info, num_slices)
     if graph_safe or batch_info.use_graph:
         return sgemm_lora_a_graph_fwd(x, weights, batch_info, num_slices, kernel=check_graph_kernel(graph_kernel))
@@ -82,6 +92,9 @@ def sgemm_lora_b_fwd(
 
         out[t, o_i : o_{i+1}] += x[t, i*R : i*R + r] @ weights[slot_t, o_i : o_{i+1}, :r].T
     """
+    if torch.compiler.is_compiling():  # checked and run inside lora_cuda::expand_, when it runs
+        return sgemm_lora_b_graph_fwd(x, weights, batch_info, _compiled_offsets(slice_offsets), base_output,
+                                      kernel=check_graph_kernel(graph_kernel))
     offsets = check_lora_b_inputs(x, weights, batch_info, slice_offsets, base_output)
     if graph_safe or batch_info.use_graph:
         return sgemm_lora_b_graph_fwd(x, weights, batch_info, offsets, base_output,
@@ -112,6 +125,8 @@ def sgemm_lora_a_embedding_fwd(
         out[t, :r] = s * weights[slot_t, :r, ids[t]]   if 0 <= ids[t] < vocab_size + added
         out[t, :]  = 0                                 otherwise, and for slot -1
     """
+    if torch.compiler.is_compiling():  # checked and run inside lora_cuda::embedding_shrink, when it runs
+        return compiled_embedding_shrink(ids, weights, batch_info, vocab_size, extra_embeddings, strict_token_ids)
     num_valid = check_embedding_inputs(ids, weights, batch_info, vocab_size, extra_embeddings)
     if strict_token_ids:
         check_token_ids(ids, num_valid)
@@ -120,3 +135,10 @@ def sgemm_lora_a_embedding_fwd(
     if graph_safe or batch_info.use_graph:
         return sgemm_lora_a_embedding_graph_fwd(ids, weights, batch_info, num_valid)
     return sgemm_lora_a_embedding_control_fwd(ids, weights, batch_info, num_valid)
+
+
+def _compiled_offsets(slice_offsets: Sequence[int] | torch.Tensor) -> tuple[int, ...]:
+    """Slice offsets as ints for a custom op's ``SymInt[]`` (the op validates them)."""
+    if isinstance(slice_offsets, torch.Tensor):
+        return tuple(int(o) for o in slice_offsets.tolist())
+    return tuple(slice_offsets)
