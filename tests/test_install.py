@@ -30,6 +30,7 @@ PIP_TIMEOUT_S = 1800  # a hang guard for a slow index, not a timing assertion
 # Runs inside the fresh venv: what got installed, from where, and every entry point loaded.
 PROBE = r"""
 import importlib, json, sys
+from importlib import metadata
 
 import lora_core
 
