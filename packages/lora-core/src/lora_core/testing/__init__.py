@@ -18,12 +18,15 @@ from .cases import (
     random_requests,
 )
 from .devices import (
+    COMPILE_BACKEND,
     DEVICE_NAMES,
     DEVICE_TYPES,
+    CompiledReplay,
     DeviceProbe,
     DeviceType,
     TestDevice,
     clone_outputs,
+    compile_capture,
     make_device,
     probe_device,
 )
@@ -34,7 +37,9 @@ from .rules import Violation
 __all__ = [
     "BatchPair",
     "random_batch_pair",
+    "COMPILE_BACKEND",
     "CaptureError",
+    "CompiledReplay",
     "DEVICE_NAMES",
     "DEVICE_TYPES",
     "DeviceType",
@@ -48,6 +53,7 @@ __all__ = [
     "assert_close_to_reference",
     "default_scalings",
     "clone_outputs",
+    "compile_capture",
     "count_launches",
     "fill_embedding_garbage",
     "fill_linear_garbage",
