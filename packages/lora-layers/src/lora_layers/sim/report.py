@@ -13,7 +13,8 @@ from .run import SimRow
 from lora_core.testing.timing import Spread
 from .workload import Workload
 
-__all__ = ["format_devices", "format_header", "format_rows", "format_spread", "to_json", "write_plot"]
+__all__ = ["format_compiled_decode", "format_devices", "format_header", "format_rows", "format_spread", "to_json",
+           "write_plot"]
 
 
 def format_spread(spread: Spread, fmt: Callable[[float], str]) -> str:
@@ -29,19 +30,31 @@ def _percent(x: float) -> str:
     return f"{x:+.0%}"
 
 
+def format_compiled_decode(row: SimRow) -> str:
+    """The "compiled decode" cell: on a compile device, the compiles and recompiles of the
+    decode step and its tokens/s (median); empty on the other devices."""
+    c = row.compiled_decode
+    if not c:
+        return ""
+    compiles = "compiled once" if c["compiles"] == 1 else f"{c['compiles']} compiles"
+    speed = f", {_count(row.decode_tokens_per_s.median)} tok/s" if row.decode_tokens_per_s is not None else ""
+    return f"{compiles}, {c['recompiles']} recompiles{speed}"
+
+
 def format_rows(rows: Sequence[SimRow]) -> str:
     """The results as a Markdown table, one line per row; timed figures as median (min–max) over rounds."""
     head = ("| backend | device | result | max abs err | prefill tok/s | decode tok/s | LoRA overhead "
-            "| launches/decode step | graph safety |")
-    lines = [head, "|" + "---|" * 9]
+            "| launches/decode step | graph safety | compiled decode |")
+    lines = [head, "|" + "---|" * 10]
     for r in rows:
         if r.status in ("skipped", "error") or r.prefill_tokens_per_s is None:
-            lines.append(f"| {r.backend} | {r.device} | {r.status}: {r.reason} | | | | | | |")
+            lines.append(f"| {r.backend} | {r.device} | {r.status}: {r.reason} | | | | | | | |")
             continue
         lines.append(
             f"| {r.backend} | {r.device} | {r.status} | {r.max_abs_error:.1e} "
             f"| {format_spread(r.prefill_tokens_per_s, _count)} | {format_spread(r.decode_tokens_per_s, _count)} "
-            f"| {format_spread(r.lora_overhead, _percent)} | {r.launches_per_decode_step} | {r.graph_safety} |"
+            f"| {format_spread(r.lora_overhead, _percent)} | {r.launches_per_decode_step} | {r.graph_safety} "
+            f"| {format_compiled_decode(r)} |"
         )
     return "\n".join(lines)
 

@@ -19,7 +19,14 @@ from typing import Callable, Mapping, Sequence
 
 import torch
 
-from lora_core.testing import TOLERANCES, CaptureError, count_launches, make_device, probe_device
+from lora_core.testing import (
+    TOLERANCES,
+    CaptureError,
+    CompiledReplay,
+    count_launches,
+    make_device,
+    probe_device,
+)
 
 from ..models import TinyConfig, TinyDecoder
 from .reference import merged_reference_models, reference_logits
@@ -43,7 +50,12 @@ class SimRow:
     figures are :class:`~lora_core.testing.timing.Spread` over rounds: prefill tokens/s,
     decode tokens/s (from each round's median step) and the LoRA overhead
     ``(prefill + one decode step) / (the same on the base model) - 1``.
-    ``details["seconds"]`` holds the raw per-round seconds.
+    ``details["seconds"]`` holds the raw per-round seconds. On a compile device
+    (``cpu-compile``, ``cuda-compile``) the decode step is ``torch.compile(fullgraph=True)``
+    and ``compiled_decode`` says how it went: ``{"backend", "compiles", "recompiles",
+    "steps"}`` (graphs compiled, compiles after the first, compiled steps served; any
+    recompile fails the row, so a row that ran has 1 and 0), and ``decode_tokens_per_s``
+    is the compiled step's.
     """
 
     backend: str
@@ -57,6 +69,7 @@ class SimRow:
     lora_overhead: Spread | None = None
     launches_per_decode_step: int | None = None
     graph_safety: str = ""
+    compiled_decode: dict | None = None
     details: dict = field(default_factory=dict)
 
 
@@ -155,7 +168,8 @@ def run_row(backend: str, device_name: str, config: TinyConfig, adapter_paths: M
     """Serve ``workload`` with ``backend`` on device ``device_name`` and check and time it.
 
     Prefill (eager in every mode), then ``rounds`` rounds of the LoRA and the base
-    model, interleaved. Decode: on graph devices the step is captured once; then
+    model, interleaved. Decode: on graph devices the step is captured (on compile
+    devices compiled) once, with the batch in graph mode; then
     ``rounds`` rounds of ``workload.decode_steps`` greedy steps from the prefill's
     tokens, a different adapter mix each step, the LoRA and the base model
     interleaved step by step. Every timed output is checked.
@@ -196,22 +210,29 @@ def run_row(backend: str, device_name: str, config: TinyConfig, adapter_paths: M
             mlora.enable_graph(B)
         mlora.set_batch([1] * B, adapters)
         launches = count_launches(model, step_ids).ops
-        step, verdict = (lambda: model(step_ids)), "eager"
+        step, verdict, replay = (lambda: model(step_ids)), "eager", None
         if device.is_graph:
             try:
-                step = _replayer(*device.capture(model, step_ids))
+                static_out, replay = device.capture(model, step_ids)
             except CaptureError as err:
                 return SimRow(backend, device_name, "fail", reason=str(err), graph_safety=f"unsafe: {err}")
-            verdict = "safe (strict simulated capture)" if device_name == "cpu-graphsim" else "captured"
+            step = _replayer(static_out, replay)
+            verdict = ("safe (strict simulated capture)" if device_name == "cpu-graphsim"
+                       else f"compiled (fullgraph, {device.device_type.compile_backend})"
+                       if isinstance(replay, CompiledReplay) else "captured")
         decode = _time_decode({"lora": step, "base": lambda: base_model(step_ids)}, step_ids, first_ids,
                               lambda mix: mlora.set_batch([1] * B, mix), want_step, adapters,
                               workload.decode_steps, rounds, sync, check)
     mlora.unwrap()
+    compiled = None
+    if isinstance(replay, CompiledReplay):
+        compiled = {"backend": device.device_type.compile_backend, "compiles": replay.compiles,
+                    "recompiles": replay.recompiles, "steps": replay.replays}
     seconds = {"prefill": prefill.samples,
                "decode_step": {k: _chunks(v, workload.decode_steps) for k, v in decode.samples.items()}}
     return SimRow(backend, device_name, "pass" if check.ok else "fail", max_abs_error=check.max_error,
                   tolerance=check.tolerance, launches_per_decode_step=launches, graph_safety=verdict,
-                  details={"rounds": rounds, "seconds": seconds},
+                  compiled_decode=compiled, details={"rounds": rounds, "seconds": seconds},
                   **_figures(sum(lens), B, prefill.samples, seconds["decode_step"]))
 
 
