@@ -31,7 +31,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -231,10 +230,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = benchmark_parser("bench_peft", "lora-kit vs PEFT's mixed-batch inference on a transformers model")
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     parser.add_argument("--repeats", type=int, default=None, help="forwards per variant per round")
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--wait-quiet", type=float, default=0.0, metavar="S",
                         help="first wait up to S seconds for the load average to drop below 1")
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore", category=FutureWarning)  # transformers renaming past_key_values
+    if args.threads:
+        torch.set_num_threads(args.threads)
     size = "smoke" if args.smoke else "default"
     rounds = 3 if args.smoke else args.rounds
     load_before = wait_for_quiet(args.wait_quiet) if args.wait_quiet else os.getloadavg()[0]

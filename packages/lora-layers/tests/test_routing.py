@@ -110,6 +110,8 @@ def test_repeated_layouts_reuse_their_batch_until_the_adapters_change(tmp_path):
     model, mlora = _served(tmp_path)
     first = mlora.set_batch([1, 1, 1], ["a", None, "b"])
     assert mlora.set_batch([1, 1, 1], ["a", None, "b"]) is first
+    with pytest.raises(ValueError, match="seq_lens"):  # a cached layout never skips the checks
+        mlora.set_batch([1.0, 1, 1], ["a", None, "b"])
     before = model(IDS[:, 0])
     mlora.load_adapter("b", _adapter(tmp_path, "b2", r=2, modules=("v_proj",)), replace=True)
     fresh = mlora.set_batch([1, 1, 1], ["a", None, "b"])

@@ -424,14 +424,16 @@ class MultiLoRA:
             info = self.backend.batch_info
             info.refill(seq_lens, slot_ids)  # in place: the backend's plans are refilled with it
             return info
-        key = (tuple(seq_lens), tuple(slot_ids))
-        info = self._batches.get(key)
+        lens = tuple(seq_lens)
+        key = (lens, tuple(slot_ids)) if set(map(type, lens)) <= {int} else None  # plain ints only: 2.0 == 2
+        info = self._batches.get(key) if key is not None else None
         if info is None:
             info = build_batch_info(seq_lens, slot_ids, self.slots.lora_ranks, self.slots.scalings,
                                     device=self.context.device, max_rank=self.slots.max_rank)
-            self._batches[key] = info
-            if len(self._batches) > _BATCH_CACHE_SIZE:
-                self._batches.popitem(last=False)
+            if key is not None:
+                self._batches[key] = info
+                if len(self._batches) > _BATCH_CACHE_SIZE:
+                    self._batches.popitem(last=False)
         else:
             self._batches.move_to_end(key)
         self.backend.prepare_batch(info)
