@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import inspect
 
+import shutil
+
 import pytest
 import torch
 import torch._dynamo
@@ -43,6 +45,8 @@ BACKENDS = [
         reason="lora_core.validation reads the real token count while tracing (docs/compile.md)"))
     for name in available_backends()
 ]
+NEEDS_CXX = pytest.mark.skipif(not any(shutil.which(c) for c in ("g++", "c++", "clang++")),
+                               reason="inductor's CPU code generation needs a C++ compiler")
 
 
 class Counting:
@@ -122,6 +126,7 @@ def test_tiny_llama_compiles_once_and_serves_three_batches(adapter_paths, backen
     _check(*_serve(*_llama(), adapter_paths, backend))
 
 
+@NEEDS_CXX
 def test_inductor_compiles_the_wrapped_model_once(adapter_paths):
     """One inductor compile (slow on CPU) of the fused decoder on the default backend."""
     _check(*_serve(*_tiny_decoder(True), adapter_paths, "torch_native", compile_backend="inductor"))

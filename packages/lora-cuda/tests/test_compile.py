@@ -11,6 +11,8 @@ slow on CPU).
 
 import random
 
+import shutil
+
 import pytest
 import torch
 import torch._dynamo
@@ -32,6 +34,8 @@ from lora_cuda.graph_plans import batch_key
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 CAPACITY, L, R, IN, WIDTHS, V = 64, 4, 8, 32, [24, 8, 8], 50
 SCALINGS = [0.5 + 0.25 * s for s in range(L)]  # make_batch_info's, for the reference batches
+NEEDS_CXX = pytest.mark.skipif(not any(shutil.which(c) for c in ("g++", "c++", "clang++")),
+                               reason="inductor's CPU code generation needs a C++ compiler")
 
 
 class Counting:
@@ -242,6 +246,7 @@ def test_custom_ops_pass_opcheck(op):
         torch.library.opcheck(packet.default, call)
 
 
+@NEEDS_CXX
 def test_inductor_compiles_the_graph_ops_in_every_dtype():
     """One inductor compile (slow on CPU) of shrink, expand and embedding in fp32, bf16 and fp16, the
     default kernel (the grouped GEMM on CPU), replayed on two refilled batches."""
