@@ -1,11 +1,17 @@
 """Every package installs alone from its wheel into a fresh venv, imports, and runs its README.
 
-The wheels come from ``ci/wheels.sh`` and are installed by ``ci/install-wheels.sh``
-exactly as the README's per-package install path says: our four names only from the
-wheel directory, everything else (torch pinned by ci/constraints.txt, numpy,
-safetensors) from pip's normal configuration. Each venv holds one package and what
-its pyproject declares, so a module missing from a wheel, an undeclared dependency,
-or a broken entry point fails here, not on a user's machine.
+The wheels come from ``ci/wheels.sh``; the installs are the README's per-package
+install path. Third-party packages (torch pinned by ci/constraints.txt, numpy,
+safetensors, pip) live in one shared venv, built once per run the way a user would:
+``ci/install-wheels.sh`` with all four packages, from pip's normal configuration, our
+four names only from the wheels; then emptied of our packages. Each package then gets
+a fresh venv of its own that sees the shared third-party packages through a ``.pth``
+file, and ``pip install --no-index --find-links DIST PACKAGE`` (the README's offline
+form) puts in it that package and the lora-kit packages it declares, nothing else.
+A module missing from a wheel, an undeclared lora-kit dependency, a broken entry
+point or a README example that fails shows here, not on a user's machine. (Sharing
+the third-party layer instead of installing torch into every venv saves about 3 GB
+of writes per run.)
 """
 
 from __future__ import annotations
@@ -98,10 +104,7 @@ def _run(cmd: list[str], cwd: Path, **env: str) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="session")
 def wheel_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The four wheels, built by ``ci/wheels.sh`` once per pytest run (xdist workers share them)."""
-    base = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        base = base.parent  # this run's directory, above the per-worker ones
-    dist = base / "lora-kit-wheels"
+    dist = _shared_dir(tmp_path_factory, "lora-kit-wheels")
     with FileLock(f"{dist}.lock"):
         if not (dist / "constraints.txt").is_file():
             dist.mkdir(exist_ok=True)
@@ -111,32 +114,61 @@ def wheel_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return dist
 
 
-@pytest.mark.parametrize("package", PACKAGES)
-def test_wheel_installs_alone_in_a_fresh_venv(package: str, wheel_dir: Path, tmp_path: Path) -> None:
-    env_dir = tmp_path / "venv"
-    venv.EnvBuilder(with_pip=True).create(env_dir)
+def _shared_dir(tmp_path_factory: pytest.TempPathFactory, name: str) -> Path:
+    """A directory of this pytest run that every xdist worker sees (under a lock, build it once)."""
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent  # this run's directory, above the per-worker ones
+    return base / name
+
+
+@pytest.fixture(scope="session")
+def third_party(tmp_path_factory: pytest.TempPathFactory, wheel_dir: Path) -> Path:
+    """The site-packages of a venv with every third-party dependency of the four packages."""
+    env_dir = _shared_dir(tmp_path_factory, "lora-kit-third-party")
     python = env_dir / "bin" / "python"
-    try:
-        # --no-compile: no .pyc for torch's thousands of modules, which halves the install time
-        _run(["bash", str(ROOT / "ci" / "install-wheels.sh"), "--dist", str(wheel_dir), package, "--no-compile"],
-             cwd=tmp_path, PYTHON=str(python))
+    with FileLock(f"{env_dir}.lock"):
+        if not (env_dir / "ready").is_file():
+            shutil.rmtree(env_dir, ignore_errors=True)
+            venv.EnvBuilder(with_pip=True).create(env_dir)
+            # --no-compile: no .pyc for torch's thousands of modules, which halves the install time
+            _run(["bash", str(ROOT / "ci" / "install-wheels.sh"), "--dist", str(wheel_dir), *PACKAGES,
+                  "--no-compile"], cwd=env_dir, PYTHON=str(python))
+            _run([str(python), "-m", "pip", "uninstall", "-q", "-y", *PACKAGES], cwd=env_dir)
+            (env_dir / "ready").write_text("")
+    torch_version = _run([str(python), "-c", "from importlib.metadata import version; print(version('torch'))"],
+                         cwd=env_dir).stdout.strip()
+    assert torch_version.split("+")[0] == "2.13.0", f"ci/constraints.txt pins torch 2.13.0, got {torch_version}"
+    return Path(_run([str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                     cwd=env_dir).stdout.strip())
 
-        closure = _local_closure(package)
-        probe = json.loads(_run([str(python), "-c", PROBE, package], cwd=tmp_path).stdout.strip().splitlines()[-1])
-        assert probe["installed"] == closure, "the venv holds exactly the package and its declared lora-kit deps"
-        assert Path(probe["file"]).is_relative_to(env_dir), f"imported from {probe['file']}, not the venv"
-        expected_backends = sorted(
-            name for dep in closure
-            for name in _pyproject(dep).get("entry-points", {}).get("lora_core.backends", {})
-        )
-        assert probe["backends"] == expected_backends
-        for script in (s for dep in closure for s in _pyproject(dep).get("scripts", {})):
-            _run([str(env_dir / "bin" / script), "--help"], cwd=tmp_path)
 
-        code = _first_python_block(package)
-        if code is None:
-            pytest.skip(f"installed, imported, backends {probe['backends']}; "
-                        f"packages/{package}/README.md has no ```python block to run yet")
-        _run([str(python), "-c", code], cwd=tmp_path)
-    finally:
-        shutil.rmtree(env_dir, ignore_errors=True)  # about 1 GB each, mostly torch
+@pytest.mark.parametrize("package", PACKAGES)
+def test_wheel_installs_alone_in_a_fresh_venv(package: str, wheel_dir: Path, third_party: Path,
+                                              tmp_path: Path) -> None:
+    env_dir = tmp_path / "venv"
+    venv.EnvBuilder(with_pip=False).create(env_dir)  # pip, like torch, comes from the shared layer
+    python = env_dir / "bin" / "python"
+    site = Path(_run([str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                     cwd=tmp_path).stdout.strip())
+    (site / "lora_kit_third_party.pth").write_text(f"{third_party}\n")
+    _run([str(python), "-m", "pip", "install", "--no-index", "--find-links", str(wheel_dir), package], cwd=tmp_path,
+         PIP_DISABLE_PIP_VERSION_CHECK="1")
+
+    closure = _local_closure(package)
+    probe = json.loads(_run([str(python), "-c", PROBE, package], cwd=tmp_path).stdout.strip().splitlines()[-1])
+    assert probe["installed"] == closure, "the venv holds exactly the package and its declared lora-kit deps"
+    assert Path(probe["file"]).is_relative_to(site), f"imported from {probe['file']}, not the fresh venv"
+    expected_backends = sorted(
+        name for dep in closure
+        for name in _pyproject(dep).get("entry-points", {}).get("lora_core.backends", {})
+    )
+    assert probe["backends"] == expected_backends
+    for script in (s for dep in closure for s in _pyproject(dep).get("scripts", {})):
+        _run([str(env_dir / "bin" / script), "--help"], cwd=tmp_path)
+
+    code = _first_python_block(package)
+    if code is None:
+        pytest.skip(f"installed, imported, backends {probe['backends']}; "
+                    f"packages/{package}/README.md has no ```python block to run yet")
+    _run([str(python), "-c", code], cwd=tmp_path)
