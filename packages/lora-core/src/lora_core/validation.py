@@ -5,6 +5,13 @@ none of them synchronises the device, so backends run them on every call.
 The one exception is :func:`check_token_ids`, which inspects id values and
 therefore reads them back: backends call it only when their
 ``strict_token_ids`` option is on, and it is skipped while a graph is captured.
+
+While ``torch.compile`` traces (:func:`tracing_for_compile`), a graph-mode batch is
+checked like a capture (exactly its capacity's rows) and nothing that a refill or
+``set_adapters`` changes is read (the real token count, the slot ranks, the ids):
+read there, they would become guards of the compiled code, which would recompile
+for every batch (docs/compile.md). The eager warm-up call before a compile, and
+every eager call, still checks them.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from .graphs import is_capturing
 from .layout import slice_offsets_from_widths
 
 __all__ = [
+    "tracing_for_compile",
     "check_lora_a_inputs",
     "check_lora_b_inputs",
     "check_embedding_inputs",
@@ -29,10 +37,17 @@ __all__ = [
 ]
 
 
+def tracing_for_compile() -> bool:
+    """True while ``torch.compile`` (dynamo) traces the calling code."""
+    compiler = getattr(torch, "compiler", None)
+    probe = getattr(compiler, "is_compiling", None)
+    return bool(probe()) if probe is not None else False
+
+
 def check_token_ids(ids: torch.Tensor, num_valid: int, *, max_report: int = 8) -> None:
     """Raise ``ValueError`` naming the first positions whose id is outside ``[0, num_valid)``
-    (reads ids back: call it only in strict mode; a no-op while capturing)."""
-    if is_capturing():
+    (reads ids back: call it only in strict mode; a no-op while capturing or compiling)."""
+    if is_capturing() or tracing_for_compile():
         return
     bad = ((ids < 0) | (ids >= num_valid)).nonzero().flatten()[:max_report].tolist()
     if bad:
@@ -73,13 +88,16 @@ def _check_same(name: str, t: torch.Tensor, ref_name: str, ref: torch.Tensor) ->
 
 def check_num_tokens(batch_info: BatchInfo, num_rows: int, name: str = "x") -> None:
     """Rows given to an op must match the batch (or fit the graph-mode capacity; exactly the
-    capacity while a graph is captured, since later batches may fill it)."""
+    capacity while a graph is captured or compiled, since later batches may fill it)."""
     if batch_info.use_graph:
-        if is_capturing() and num_rows != batch_info.capacity:
+        compiling = tracing_for_compile()
+        if (compiling or is_capturing()) and num_rows != batch_info.capacity:
             raise ValueError(
                 f"{name} has {num_rows} rows while a graph is captured; a graph-mode batch is captured with "
                 f"exactly its capacity ({batch_info.capacity} rows), which later batches may fill"
             )
+        if compiling:  # the real token count changes with every refill: never a guard
+            return
         if not batch_info.num_real_tokens <= num_rows <= batch_info.capacity:
             raise ValueError(
                 f"{name} has {num_rows} rows; the graph batch info holds {batch_info.num_real_tokens} "
@@ -124,6 +142,8 @@ def check_lora_a_inputs(x: torch.Tensor, weights: torch.Tensor, batch_info: Batc
 
 
 def _check_ranks(batch_info: BatchInfo, max_rank: int) -> None:
+    if tracing_for_compile():  # ranks change with set_adapters: checked by eager calls, never a guard
+        return
     for slot, r in enumerate(batch_info.lora_ranks_host):
         if r > max_rank:
             raise ValueError(f"slot {slot} has rank {r} but the weights hold at most R = {max_rank}")
