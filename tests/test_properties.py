@@ -8,7 +8,11 @@ backend (every registered one), one graph-kernel preference and one mode:
 
 * ``eager``: an eager batch info per batch;
 * ``graph``: one graph-mode batch info for batch A, refilled in place with batch B
-  (and, on graph devices, captured with A and replayed after the refill).
+  (and, on graph devices, captured with A and replayed after the refill; on
+  compile devices, compiled with A and called again after the refill, which must
+  not recompile: the ``*_compiled`` tests, with a smaller budget).
+
+Backend and mode are pytest parameters (every pair runs); the rest is drawn.
 
 Outputs are compared with the fp32 reference at the dtype's tolerance *relative to
 the magnitude of the terms* (the same reference run on absolute values), so a
@@ -58,7 +62,7 @@ def adapters(draw, max_slots: int = 8, max_rank: int = 16, aligned: bool = False
 
 @st.composite
 def scenarios(draw, max_slots: int = 8, max_rank: int = 16):
-    """Adapters, two batches over them, the mode, backend and kernel, dtype, seed. Half the
+    """Adapters, two batches over them, the kernel preference, dtype, seed. Half the
     cases have 16-byte aligned sizes and contiguous weights, which the grouped GEMM needs
     (the other half exercise its fallback)."""
     aligned = draw(st.booleans())
@@ -66,14 +70,30 @@ def scenarios(draw, max_slots: int = 8, max_rank: int = 16):
     return dict(
         R=R, ranks=ranks, scalings=scalings, aligned=aligned,
         batch_a=draw(requests(len(ranks))), batch_b=draw(requests(len(ranks))),
-        graph=draw(st.booleans()), padding=draw(st.integers(0, 5)),
-        backend=draw(st.sampled_from(BACKENDS)), kernel=draw(st.sampled_from(KERNELS)),
+        padding=draw(st.integers(0, 5)), kernel=draw(st.sampled_from(KERNELS)),
         dtype=draw(st.sampled_from(DTYPES)), strided=not aligned and draw(st.booleans()),
         seed=draw(st.integers(0, 2**31 - 1)),
     )
 
 
 # ----------------------------------------------------------------------------- harness
+def is_compile_device(device) -> bool:
+    return getattr(device.device_type, "compile_backend", None) is not None
+
+
+def scenario(device, case: dict, backend: str, mode: str) -> dict:
+    """The drawn case for one backend and mode (pytest parameters, so every pair runs)."""
+    if device.is_graph and mode == "eager":
+        pytest.skip("graph devices run graph-mode batches")
+    return {**case, "backend": backend, "graph": mode == "graph"}
+
+
+def only_compile_devices(device, wanted: bool) -> None:
+    """Compile devices compile once per example: their own test, with a smaller budget."""
+    if is_compile_device(device) != wanted:
+        pytest.skip("compile devices run the *_compiled variant" if not wanted else "not a compile device")
+
+
 def make_backend(name: str, device, kernel: str):
     cls = get_backend(name)
     options = {"graph_kernel": kernel} if "graph_kernel" in inspect.signature(cls).parameters else {}
@@ -87,7 +107,7 @@ class Runner:
         self.device, self.case = device, case
         self.use_graph = case["graph"] or device.is_graph
         tokens = [sum(case["batch_a"][0]), sum(case["batch_b"][0])]
-        event(f"{case['backend']}, {'graph' if self.use_graph else 'eager'}, kernel={case['kernel']}, {case['dtype']}")
+        event(f"kernel={case['kernel']}, {case['dtype']}, {'aligned' if case['aligned'] else 'unaligned'}")
         event(f"tokens {'0' if not max(tokens) else '1-99' if max(tokens) < 100 else '100+'}")
         self.capacity = max(*tokens, 1) + case["padding"] if self.use_graph else None
         self.max_rows = self.capacity if self.use_graph else max(tokens)
@@ -157,14 +177,34 @@ def _garbage_linear(a, b, ranks, num_slices):
 
 
 # ----------------------------------------------------------------------------- linear layers
-@given(case=scenarios(), num_slices=st.integers(1, 3), widths=st.lists(st.integers(1, 24), min_size=3, max_size=3,
-                                                                       unique=True),
-       in_features=st.integers(1, 40), vocab=st.integers(1, 24))
-@budget(ci=30, long=1500)
-def test_linear_ops_match_reference(device, case, num_slices, widths, in_features, vocab):
+LINEAR_CASES = dict(case=scenarios(), num_slices=st.integers(1, 3),
+                    widths=st.lists(st.integers(1, 24), min_size=3, max_size=3, unique=True),
+                    in_features=st.integers(1, 40), vocab=st.integers(1, 24))
+
+
+@pytest.mark.parametrize("backend_name", BACKENDS)
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+@given(**LINEAR_CASES)
+@budget(ci=15, long=400)
+def test_linear_ops_match_reference(device, backend_name, mode, case, num_slices, widths, in_features, vocab):
+    only_compile_devices(device, False)
+    check_linear_ops(device, backend_name, mode, case, num_slices, widths, in_features, vocab)
+
+
+@pytest.mark.parametrize("backend_name", BACKENDS)
+@pytest.mark.parametrize("mode", ["graph"])
+@given(**LINEAR_CASES)
+@budget(ci=4, long=60)
+def test_linear_ops_match_reference_compiled(device, backend_name, mode, case, num_slices, widths, in_features, vocab):
+    only_compile_devices(device, True)
+    check_linear_ops(device, backend_name, mode, case, num_slices, widths, in_features, vocab)
+
+
+def check_linear_ops(device, backend_name, mode, case, num_slices, widths, in_features, vocab):
     """Shrink, expand alone (non-zero input everywhere, rows without an adapter and padding
     rows included), the packed layer into a base output, and the LM head (every token and
     pruned) equal the reference, for batch A and for batch B after the switch."""
+    case = scenario(device, case, backend_name, mode)
     runner = Runner(device, case)
     dtype, R, ranks, L = case["dtype"], case["R"], case["ranks"], len(case["ranks"])
     widths = widths[:num_slices]
@@ -237,13 +277,34 @@ def test_linear_ops_match_reference(device, case, num_slices, widths, in_feature
 
 
 # ----------------------------------------------------------------------------- embeddings
-@given(case=scenarios(), vocab=st.integers(1, 64), added=st.integers(1, 4), dim=st.integers(1, 16),
-       id_dtype=st.sampled_from([torch.int32, torch.int64]), embed_scale=st.floats(0.25, 4))
-@budget(ci=30, long=1500)
-def test_embedding_ops_match_reference(device, case, vocab, added, dim, id_dtype, embed_scale):
+EMBEDDING_CASES = dict(case=scenarios(), vocab=st.integers(1, 64), added=st.integers(1, 4), dim=st.integers(1, 16),
+                       id_dtype=st.sampled_from([torch.int32, torch.int64]), embed_scale=st.floats(0.25, 4))
+
+
+@pytest.mark.parametrize("backend_name", BACKENDS)
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+@given(**EMBEDDING_CASES)
+@budget(ci=15, long=400)
+def test_embedding_ops_match_reference(device, backend_name, mode, case, vocab, added, dim, id_dtype, embed_scale):
+    only_compile_devices(device, False)
+    check_embedding_ops(device, backend_name, mode, case, vocab, added, dim, id_dtype, embed_scale)
+
+
+@pytest.mark.parametrize("backend_name", BACKENDS)
+@pytest.mark.parametrize("mode", ["graph"])
+@given(**EMBEDDING_CASES)
+@budget(ci=4, long=60)
+def test_embedding_ops_match_reference_compiled(device, backend_name, mode, case, vocab, added, dim, id_dtype,
+                                                embed_scale):
+    only_compile_devices(device, True)
+    check_embedding_ops(device, backend_name, mode, case, vocab, added, dim, id_dtype, embed_scale)
+
+
+def check_embedding_ops(device, backend_name, mode, case, vocab, added, dim, id_dtype, embed_scale):
     """The embedding shrink (in-vocabulary, added-token, out-of-vocabulary, negative and huge
     ids) and the added-token rows (only tokens with an adapter take them; rows without
     one keep their base row, padding included) equal the reference for A and B."""
+    case = scenario(device, case, backend_name, mode)
     runner = Runner(device, case)
     dtype, R, ranks, L = case["dtype"], case["R"], case["ranks"], len(case["ranks"])
     gen = torch.Generator().manual_seed(case["seed"])
