@@ -2,9 +2,6 @@
 
 Each test states the behaviour that the bug broke and checks it through the public
 API only (backends, batch infos, MultiLoRA), on every backend and device parameter.
-Tests marked ``xfail(strict=True)`` pin a bug that still lies outside lora-core's
-batch/validation code: they turn into failures ("XPASS(strict)") once it is fixed,
-so the mark is removed together with the bug.
 """
 
 from __future__ import annotations
@@ -232,8 +229,6 @@ def test_no_adapter_slots_give_a_batch_without_adapters(device, backend_name, ke
         assert not out.abs().sum(), f"{name}: a batch without adapters got a non-zero delta"
 
 
-@pytest.mark.xfail(strict=True, reason="BatchInfoBackend.run_added_tokens (lora_core/backend.py) indexes "
-                   "extra_embeddings[slot, 0] even when it has no slot or no added token: IndexError")
 @pytest.mark.parametrize("backend_name", BACKENDS)
 @pytest.mark.parametrize("shape", [(0, 2, 4), (2, 0, 4)], ids=["no slots", "no added tokens"])
 def test_added_tokens_with_empty_extra_embeddings_keep_the_base_rows(backend_name, shape):
@@ -309,16 +304,13 @@ def test_token_ids_are_int32_or_int64(backend_name, use_graph):
             backend.run_added_tokens(ids.to(dtype).abs(), extra, 10, torch.zeros(5, 4))
 
 
-_PACKED_LEN = pytest.mark.xfail(strict=True, reason="BatchInfoBackend._run_packed (lora_core/backend.py) calls "
-                               "len(slice_offsets) before validating it: TypeError: object of type 'int' has no len()")
 _OFFSETS = {"int": 9, "0-d tensor": torch.tensor(9), "None": None, "str": "0,9", "floats": [0.0, 9.0],
             "bool": [0, True]}
 
 
 @pytest.mark.parametrize("backend_name", BACKENDS)
 @pytest.mark.parametrize(("op", "offsets"), [
-    pytest.param(op, value, id=f"{op}-{name}",
-                 marks=[_PACKED_LEN] if op != "lora_b" and name in ("int", "0-d tensor", "None") else [])
+    pytest.param(op, value, id=f"{op}-{name}")
     for op in ("lora_b", "qkv", "gate_up") for name, value in _OFFSETS.items()
 ])
 def test_malformed_slice_offsets_raise_naming_slice_offsets(backend_name, op, offsets):

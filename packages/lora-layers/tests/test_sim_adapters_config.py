@@ -81,8 +81,6 @@ def test_the_check_is_relative_to_the_outputs_magnitude():
     assert check.tolerance == "fp32 rtol=1e-05 atol=1e-05 x max(1, max|ref|)"
 
 
-@pytest.mark.xfail(strict=True, reason="lora_layers/sim/run.py still judges rows with its fixed-atol _Check; "
-                                       "it is to use sim.reference.ScaledCheck (run.py is outside this change)")
 def test_a_valid_adapter_with_large_weights_passes(tmp_path, capsys):
     config = sim.parse_config(SMALL)
     adapter = _large_adapter(tmp_path, config)

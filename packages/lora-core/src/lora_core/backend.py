@@ -16,7 +16,7 @@ import torch
 
 from .batch_info import BatchInfo, build_batch_info
 from .plans import BatchPlan
-from .validation import check_added_token_inputs
+from .validation import check_added_token_inputs, normalize_slice_offsets
 
 __all__ = ["LoRABackend", "BatchInfoBackend", "get_backend", "available_backends", "ENTRY_POINT_GROUP"]
 
@@ -278,6 +278,8 @@ class BatchInfoBackend(LoRABackend):
 
     def run_added_tokens(self, ids, extra_embeddings, vocab_size, base_output, scale=1.0) -> torch.Tensor:
         check_added_token_inputs(ids, extra_embeddings, self.batch_info, vocab_size, base_output)
+        if extra_embeddings.shape[0] == 0 or extra_embeddings.shape[1] == 0:  # no slot or no added token
+            return base_output
         slots = self.batch_info.token_slots[: ids.shape[0]]
         added = ids - vocab_size
         is_added = (added >= 0) & (added < extra_embeddings.shape[1]) & (slots >= 0)
@@ -285,9 +287,10 @@ class BatchInfoBackend(LoRABackend):
         return base_output.copy_(torch.where(is_added[:, None], rows * scale, base_output))
 
     def _run_packed(self, op, num_slices, x, a_weights, b_weights, slice_offsets, base_output):
-        if len(slice_offsets) != num_slices + 1:
+        offsets = normalize_slice_offsets(slice_offsets)
+        if len(offsets) != num_slices + 1:
             raise ValueError(
-                f"{op} needs {num_slices} slices, i.e. {num_slices + 1} slice_offsets, got {len(slice_offsets)}"
+                f"{op} needs {num_slices} slices, i.e. {num_slices + 1} slice_offsets, got {len(offsets)}"
             )
         shrunk = self.run_lora_a(x, a_weights, num_slices)
         return self.run_lora_b(shrunk, b_weights, slice_offsets, base_output)

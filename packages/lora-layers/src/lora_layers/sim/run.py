@@ -2,7 +2,8 @@
 
 A row serves the workload through :class:`~lora_layers.MultiLoRA` on one backend
 and device, checks every output against the merged fp32 reference
-(:mod:`.reference`) at the fp32 tolerance of ``lora_core.testing.TOLERANCES``
+(:mod:`.reference`) at the fp32 tolerance of ``lora_core.testing.TOLERANCES``, relative to the
+outputs' magnitude (:class:`~lora_layers.sim.reference.ScaledCheck`)
 (docs/layout.md), and times the model with LoRA against the base model in
 interleaved rounds (:mod:`lora_core.testing.timing`).
 """
@@ -20,7 +21,6 @@ from typing import Callable, Mapping, Sequence
 import torch
 
 from lora_core.testing import (
-    TOLERANCES,
     CaptureError,
     CompiledReplay,
     count_launches,
@@ -29,7 +29,7 @@ from lora_core.testing import (
 )
 
 from ..models import TinyConfig, TinyDecoder
-from .reference import merged_reference_models, reference_logits
+from .reference import ScaledCheck, merged_reference_models, reference_logits
 from .serving import build_multilora
 from lora_core.testing.timing import Interleaved, Spread, sync_device
 from .workload import Workload
@@ -73,28 +73,6 @@ class SimRow:
     details: dict = field(default_factory=dict)
 
 
-class _Check:
-    """Compares outputs with the reference at the fp32 tolerance, keeping the largest error."""
-
-    def __init__(self) -> None:
-        self.rtol, self.atol = TOLERANCES[torch.float32]
-        self.errors: list[float] = []
-        self.ok = True
-
-    def __call__(self, got: torch.Tensor, want: torch.Tensor) -> None:
-        got = got.float().cpu()
-        self.errors.append((got - want).abs().max().item())
-        self.ok = self.ok and bool(torch.isclose(got, want, rtol=self.rtol, atol=self.atol).all())
-
-    @property
-    def max_error(self) -> float:
-        return torch.tensor(self.errors).max().item()  # NaN propagates
-
-    @property
-    def tolerance(self) -> str:
-        return f"fp32 rtol={self.rtol:g} atol={self.atol:g}"
-
-
 def _forward_prefill(model: TinyDecoder, ids: torch.Tensor, last_rows: torch.Tensor) -> torch.Tensor:
     """Prefill with LM-head pruning: the head sees the last token of each prompt only."""
     return model.lm_head(model.model(ids).index_select(0, last_rows))
@@ -127,7 +105,7 @@ def _figures(tokens: int, requests: int, prefill: Mapping[str, list[float]],
 
 def _time_prefill(model: TinyDecoder, base_model: TinyDecoder, ids: torch.Tensor, last_rows: torch.Tensor,
                   want: torch.Tensor, rounds: int, sync: Callable[[], None],
-                  check: _Check) -> tuple[torch.Tensor, Interleaved]:
+                  check: ScaledCheck) -> tuple[torch.Tensor, Interleaved]:
     """A warm-up prefill of each model, then ``rounds`` interleaved rounds; returns the
     LoRA model's warm-up logits and the timer. Each LoRA output is checked against ``want``."""
     calls = {"lora": lambda: _forward_prefill(model, ids, last_rows),
@@ -144,7 +122,7 @@ def _time_prefill(model: TinyDecoder, base_model: TinyDecoder, ids: torch.Tensor
 def _time_decode(steps: Mapping[str, Callable[[], torch.Tensor]], step_ids: torch.Tensor, first_ids: torch.Tensor,
                  set_batch: Callable[[list[str | None]], object], want: Callable[[torch.Tensor, list], torch.Tensor],
                  adapters: Sequence[str | None], decode_steps: int, rounds: int, sync: Callable[[], None],
-                 check: _Check) -> Interleaved:
+                 check: ScaledCheck) -> Interleaved:
     """A warm-up step of each model, then ``rounds`` rounds of ``decode_steps`` greedy
     steps from ``first_ids`` (written into the static input ``step_ids``), the adapter
     mix rotated by one request each step; the two models interleaved step by step."""
@@ -190,7 +168,7 @@ def run_row(backend: str, device_name: str, config: TinyConfig, adapter_paths: M
     B = len(lens)
     prompt_ids = torch.randint(0, config.vocab_size, (sum(lens),), generator=gen)
     last_rows = torch.tensor([sum(lens[: i + 1]) - 1 for i in range(B)])
-    check = _Check()
+    check = ScaledCheck()
     wanted: dict[tuple, torch.Tensor] = {}  # rounds repeat the same steps: one reference per input
 
     def want_step(ids: torch.Tensor, mix: list[str | None]) -> torch.Tensor:
