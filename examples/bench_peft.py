@@ -24,6 +24,7 @@ KV cache; this script times eager forwards only.
     python examples/bench_peft.py                 # the default sizes, on the CPU
     python examples/bench_peft.py --smoke         # tiny sizes: a check that it runs
     python examples/bench_peft.py --device cuda --json out.json
+    python examples/bench_peft.py --threads 1 --clock thread    # CPU time: robust on a busy machine
 """
 
 from __future__ import annotations
@@ -138,11 +139,12 @@ def decode(model, ids, mask, route=None, mlora=None) -> Callable[[], torch.Tenso
     return call
 
 
-def time_phase(calls: dict[str, Callable], rounds: int, repeats: int, sync) -> dict[str, list[float]]:
+def time_phase(calls: dict[str, Callable], rounds: int, repeats: int, sync,
+               clock: Callable[[], float] = time.perf_counter) -> dict[str, list[float]]:
     """Seconds per forward of each variant, one sample per interleaved round."""
     for fn in calls.values():  # warm-up
         fn()
-    timer = Interleaved(list(calls), sync)
+    timer = Interleaved(list(calls), sync, clock=clock)
 
     def repeated(fn):
         def run():
@@ -205,6 +207,7 @@ def format_report(results: dict, machine: dict, meta: dict) -> str:
              f"machine: {machine['cpu']} ({machine['cpu_count']} cores){', ' + machine['cuda_device'] if 'cuda_device' in machine else ''}, "
              f"torch {machine['torch']}, {machine['threads']} threads; device {meta['device']}; "
              f"load average {meta['load_before']:.2f} before, {meta['load_after']:.2f} after",
+             f"{'ms of wall-clock time' if meta['clock'] == 'wall' else 'ms of the thread CPU time'}: "
              f"median (min–max) over {meta['rounds']} interleaved rounds of {meta['repeats']} forwards; "
              f"lora-kit's logits vs PEFT's: max error {meta['max_rel_error']:.1e} x max|logit|", "",
              "| phase | variant | ms per forward | LoRA overhead vs base | overhead / PEFT's (medians) |",
@@ -231,12 +234,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     parser.add_argument("--repeats", type=int, default=None, help="forwards per variant per round")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    parser.add_argument("--clock", choices=["wall", "thread"], default="wall",
+                        help="wall: elapsed time (default); thread: this thread's CPU time, which other "
+                             "processes on a busy machine do not inflate (CPU only, needs --threads 1)")
     parser.add_argument("--wait-quiet", type=float, default=0.0, metavar="S",
                         help="first wait up to S seconds for the load average to drop below 1")
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore", category=FutureWarning)  # transformers renaming past_key_values
+    if args.clock == "thread" and (args.threads != 1 or args.device != "cpu"):
+        parser.error("--clock thread counts one thread's CPU time: use it with --threads 1 on the CPU")
     if args.threads:
         torch.set_num_threads(args.threads)
+    clock = time.thread_time if args.clock == "thread" else time.perf_counter
     size = "smoke" if args.smoke else "default"
     rounds = 3 if args.smoke else args.rounds
     load_before = wait_for_quiet(args.wait_quiet) if args.wait_quiet else os.getloadavg()[0]
@@ -252,9 +261,9 @@ def main(argv: list[str] | None = None) -> int:
                 calls[f"lora-kit {backend}"] = make(model, ids, mask, mlora=mlora)
             worst = max(worst, check(calls))
             repeats = args.repeats or (1 if args.smoke else (2 if phase == "prefill" else 20))
-            results[phase] = summarise(time_phase(calls, rounds, repeats, sync))
+            results[phase] = summarise(time_phase(calls, rounds, repeats, sync, clock))
     meta = {"model": f"LlamaForCausalLM {SIZES[size]}", "prompt_len": PROMPT_LEN[size], "adapters": ADAPTERS,
-            "device": args.device, "rounds": rounds, "repeats": args.repeats or "2 (prefill) / 20 (decode)",
+            "device": args.device, "clock": args.clock, "rounds": rounds, "repeats": args.repeats or "2 (prefill) / 20 (decode)",
             "load_before": load_before, "load_after": os.getloadavg()[0], "max_rel_error": worst}
     machine = machine_info()
     print(format_report(results, machine, meta))
