@@ -111,7 +111,7 @@ def _served_copy(base, paths, backend, device, **kw):
 
 def _eager_device(device):
     if device.is_graph:
-        pytest.skip("generate() runs eager; graph capture is covered by test_peft_equivalence.py")
+        pytest.skip("generate() runs eager; captured and compiled forwards: tests/test_peft_equivalence.py")
     return device.torch_device
 
 
