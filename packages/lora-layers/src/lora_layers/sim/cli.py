@@ -194,7 +194,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="run (default): the simulation; devices: the device matrix; bench: op benchmarks")
     parser.add_argument("--adapter", action="append", default=[], metavar="NAME=PATH",
                         help="a PEFT adapter directory to serve (repeatable; default: four synthetic adapters)")
-    parser.add_argument("--model-config", metavar="JSON", help="model sizes, a JSON file or inline JSON object")
+    parser.add_argument("--model-config", metavar="JSON", help="model sizes, a JSON file or inline JSON object: "
+                        "lora-sim's keys or a transformers config.json (see below)")
     parser.add_argument("--backend", action="append", default=[], help="restrict to these backends (repeatable)")
     parser.add_argument("--device", action="append", default=[], help="restrict to these devices (repeatable)")
     parser.add_argument("--decode-steps", type=int, default=Workload.decode_steps,
