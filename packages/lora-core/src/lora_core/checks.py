@@ -54,8 +54,9 @@ def check_int(name: str, value: object, *, minimum: int | None = None, maximum: 
 
 
 def check_bool(name: str, value: object) -> bool:
-    """``value`` as a Python bool, or ``TypeError`` naming ``name`` (``"no"`` is not False)."""
-    if not isinstance(value, (bool, np.bool_)):
+    """``value`` as a Python bool, or ``TypeError`` naming ``name`` (``"no"`` is not False).
+    A ``torch.SymBool`` (a comparison of sizes while ``torch.compile`` traces) is a bool too."""
+    if not isinstance(value, (bool, np.bool_, getattr(torch, "SymBool", bool))):
         raise TypeError(f"{name} must be a bool, got {value!r}")
     return bool(value)
 
