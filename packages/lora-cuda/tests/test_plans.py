@@ -17,13 +17,30 @@ def test_segment_plan_lists_active_segments_in_batch_order():
     assert [(g.slot, g.start, g.end, g.rank, g.scaling) for g in plan.groups] == [(0, 0, 5, 2, 1.0), (1, 5, 6, 3, 2.0)]
 
 
-def test_slot_groups_gather_each_active_slot_once():
+def test_short_segments_on_few_slots_become_one_block_per_slot():
     info = build_batch_info([1, 1, 1, 1, 1], [1, 0, 1, None, 2], [4, 4, 0], [1.0, 1.0, 1.0], device="cpu")
     plan = info.plan(ControlPlan)
     # slot 2 has rank 0: no group; slot -1: no group; 3 single-token segments on 2 slots: by slot
     assert plan.by_slot
     assert [(g.slot, g.start, g.end) for g in plan.groups] == [(0, 0, 1), (1, 1, 3)]
-    assert plan.token_perm.tolist() == [1, 0, 2]
+    # padded to the largest group (2 rows): 4 block rows for 3 tokens, so one bmm for both slots
+    blocks = plan.slot_blocks
+    assert (blocks.num_blocks, blocks.block_size, blocks.slot_range) == (2, 2, (0, 2))
+    assert blocks.block_valid.tolist() == [[True, False], [True, True]]
+    assert blocks.block_tokens.view(2, 2)[blocks.block_valid].tolist() == [1, 0, 2]
+    # each token's row in the blocks; tokens without an adapter read a padding row (zero once masked)
+    assert blocks.token_rows.tolist() == [2, 0, 3, 1, 1]
+
+
+def test_slot_groups_gather_each_active_slot_once_when_padding_would_double_the_rows():
+    # 20 single-token requests on slot 0 between base-model ones, one each on slots 1 and 2:
+    # 3 blocks of 20 rows would be 60 rows for 22 tokens, so one GEMM per slot instead
+    seq_lens, slot_ids = [1] * 42, [0, None] * 20 + [1, 2]
+    info = build_batch_info(seq_lens, slot_ids, [4, 4, 4], [1.0, 1.0, 1.0], device="cpu")
+    plan = info.plan(ControlPlan)
+    assert plan.by_slot and plan.slot_blocks is None
+    assert [(g.slot, g.start, g.end) for g in plan.groups] == [(0, 0, 20), (1, 20, 21), (2, 21, 22)]
+    assert plan.token_perm.tolist() == list(range(0, 40, 2)) + [40, 41]
 
 
 def test_long_segments_prefer_the_segment_loop():
@@ -111,6 +128,38 @@ def test_a_plan_is_never_built_during_a_capture():
     info = make_batch_info([2, 2], [0, 1], [4, 4], device="cpu", use_graph=True)
     with pytest.raises(RuntimeError, match="was not built before the graph capture"):
         GraphSimulator(strict=True).capture(lambda: info.plan(BlockPlan))
+
+
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="needs torch._grouped_mm (torch >= 2.9)")
+def test_the_blocked_plan_is_built_by_the_warm_up_of_a_layer_the_grouped_gemm_rejects():
+    # on CPU the graph-safe ops take the grouped GEMM, so prepare_batch builds (and refills) its
+    # plan only; a layer with unaligned sizes takes the blocked kernel, whose plan its first call
+    # builds: outside a capture (the warm-up) that works, inside one it raises
+    from lora_core.reference import reference_lora_a
+    from lora_core.testing import GraphSimulator, random_linear_weights
+    from lora_cuda import sgemm_lora_a_fwd
+
+    info = make_batch_info([2, 3], [0, 1], [4, 2], device="cpu", use_graph=True)
+    TorchNativeBackend("cpu").prepare_batch(info)
+    assert info.plan_types == (SortedPlan,)
+    a, _, _ = random_linear_weights(torch.Generator().manual_seed(0), num_slots=2, max_rank=4, in_features=3,
+                                    slice_widths=[3], lora_ranks=[4, 2], dtype=torch.float32, device="cpu")
+    x = torch.randn(5, 3)  # 3 float32 = 12-byte rows: not a grouped GEMM shape
+
+    def step(x):
+        return sgemm_lora_a_fwd(x, a, info)
+
+    with pytest.raises(RuntimeError, match="BlockPlan of this batch was not built before the graph capture"):
+        GraphSimulator(strict=True).capture(step, x)
+    step(x)  # the warm-up
+    assert info.plan_types == (SortedPlan, BlockPlan)
+    assert info.lm_head_view(pruned=True).plan_types == (SortedPlan, BlockPlan)
+    sim = GraphSimulator(strict=True)
+    out = sim.capture(step, x)
+    info.refill([4, 1], [1, None])
+    x.copy_(torch.randn(5, 3))
+    sim.replay()
+    torch.testing.assert_close(out, reference_lora_a(x, a, info))
 
 
 def test_a_graph_batch_is_captured_with_exactly_its_capacity():

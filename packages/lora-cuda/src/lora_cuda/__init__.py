@@ -7,7 +7,7 @@ from .control_ops import (
     sgemm_lora_a_embedding_control_fwd,
     sgemm_lora_b_control_fwd,
 )
-from .control_plan import ControlPlan, TokenGroup
+from .control_plan import ControlPlan, SlotBlocks, TokenGroup
 from .graph_ops import (
     GRAPH_KERNELS,
     graph_kernel,
@@ -23,6 +23,7 @@ __all__ = [
     "GRAPH_KERNELS",
     "BlockPlan",
     "ControlPlan",
+    "SlotBlocks",
     "SortedPlan",
     "TokenGroup",
     "TorchNativeBackend",

@@ -5,8 +5,12 @@ the loop reads Python ints only and never synchronises the device:
 
 * segments: contiguous row ranges, one fused ``addmm`` per segment and slice;
 * slot groups: the tokens of each slot gathered once (``token_perm``), one
-  ``addmm`` per slot and slice, scattered back once. Decode batches of many
-  single-token requests use this: the GEMM count is the number of slots.
+  ``addmm`` per slot and slice, scattered back once: the GEMM count is the
+  number of slots;
+* slot blocks: the slot groups padded to one block per slot, one ``bmm`` for all
+  slots (:mod:`lora_cuda.block_kernels`). Decode batches of many single-token
+  requests spread over the slots use this; the embedding shrink takes the
+  per-token gather of the graph-safe op there, which needs no grouping at all.
 
 Rank truncation: only rows/columns ``[0, r)`` of each slot are read, so
 whatever lies beyond a rank never reaches the result. Inputs are validated by
@@ -23,7 +27,9 @@ import torch
 
 from lora_core import BatchInfo, is_capturing
 
+from .block_kernels import block_expand, block_shrink
 from .control_plan import ControlPlan
+from .graph_ops import sgemm_lora_a_embedding_graph_fwd
 
 __all__ = [
     "sgemm_lora_a_control_fwd",
@@ -47,8 +53,10 @@ def sgemm_lora_a_control_fwd(
     _refuse_capture("sgemm_lora_a_control_fwd")
     T, cR = x.shape[0], weights.shape[1]
     R = cR // num_slices
-    out = x.new_zeros(T, cR)
     plan = batch_info.plan(ControlPlan)
+    if plan.slot_blocks is not None:
+        return block_shrink(x, weights, plan.slot_blocks, num_slices)
+    out = x.new_zeros(T, cR)
     if plan.by_slot:
         src, dst = x.index_select(0, plan.token_perm), x.new_zeros(plan.token_perm.shape[0], cR)
     else:
@@ -78,6 +86,8 @@ def sgemm_lora_b_control_fwd(
     out = base_output if base_output is not None else x.new_zeros(T, slice_offsets[-1])
     num_slices = len(slice_offsets) - 1
     plan = batch_info.plan(ControlPlan)
+    if plan.slot_blocks is not None:
+        return block_expand(x, weights, plan.slot_blocks, slice_offsets, out)
     if plan.by_slot:
         perm = plan.token_perm
         yp = x.index_select(0, perm)
@@ -105,11 +115,13 @@ def sgemm_lora_a_embedding_control_fwd(
     Ids outside ``[0, num_valid_ids)`` get zeros (looked up as id 0, then masked).
     """
     _refuse_capture("sgemm_lora_a_embedding_control_fwd")
+    plan = batch_info.plan(ControlPlan)
+    if plan.slot_blocks is not None:
+        return sgemm_lora_a_embedding_graph_fwd(ids, weights, batch_info, num_valid_ids)
     T, R = ids.shape[0], weights.shape[1]
     out = weights.new_zeros(T, R)
     valid = (ids >= 0) & (ids < num_valid_ids)
     safe_ids = torch.where(valid, ids, 0)
-    plan = batch_info.plan(ControlPlan)
     if plan.by_slot:
         src, dst = safe_ids.index_select(0, plan.token_perm), weights.new_zeros(plan.token_perm.shape[0], R)
     else:

@@ -1,15 +1,20 @@
-"""The host loop plan of the control-flow ops (eager batches).
+"""The host plan of the control-flow ops (eager batches).
 
 Control-flow ops loop on the host over token groups of Python ints, so that the
-loop never reads a device tensor. Two plans, chosen once per batch:
+loop never reads a device tensor. Three layouts, chosen once per batch:
 
 * **segments**: contiguous row ranges (adjacent requests on one slot merged),
   one GEMM per segment and slice;
 * **slot groups**: the tokens of each slot gathered once through ``token_perm``,
   one GEMM per slot and slice, scattered back once. Chosen when it saves GEMMs
-  and segments are short (decode batches of many single-token requests).
+  and segments are short (decode batches of many single-token requests);
+* **slot blocks** (:class:`SlotBlocks`): the same slot groups padded to the
+  largest one, so all slots run in one ``bmm`` (:mod:`lora_cuda.block_kernels`):
+  chosen over slot groups when padding at most doubles the rows, since one
+  batched GEMM costs far less than a GEMM per slot at decode sizes
+  (docs/benchmarks.md).
 
-Only the chosen plan is built, with a few NumPy ops on the batch's host
+Only the chosen layout is built, with a few NumPy ops on the batch's host
 mirrors; the Python loop runs over segments or slots, never over tokens.
 """
 
@@ -21,11 +26,19 @@ import numpy as np
 import torch
 
 from lora_core import BatchInfo, BatchPlan
+from lora_core.staging import StagedTensors
 
-__all__ = ["ControlPlan", "TokenGroup", "SLOT_GROUPING_MAX_MEAN_SEGMENT_LEN"]
+from .kernel_tables import KernelTables
+
+__all__ = ["ControlPlan", "SlotBlocks", "TokenGroup", "SLOT_GROUPING_MAX_MEAN_SEGMENT_LEN",
+           "SLOT_BLOCKS_MAX_PADDING"]
 
 SLOT_GROUPING_MAX_MEAN_SEGMENT_LEN = 64
 """Slot groups replace the segment loop only when active segments are this short on average."""
+
+SLOT_BLOCKS_MAX_PADDING = 2.0
+"""Slot blocks replace the loop over slot groups when ``slots used x largest group`` is at
+most this many times the tokens with an adapter."""
 
 
 @dataclass(frozen=True)
@@ -47,6 +60,61 @@ class TokenGroup:
         return self.end - self.start
 
 
+class SlotBlocks(KernelTables):
+    """Slot groups padded into one block per slot in use (a block layout of
+    :mod:`lora_cuda.block_kernels`): ``NB`` = slots in use, ``b`` = the largest group.
+
+    Device tensors: ``block_tokens (NB*b,)`` int64 (padding rows point at row 0),
+    ``token_rows (T,)`` int64 (each token's position in the blocks, a padding row's for
+    tokens without an adapter), ``block_valid (NB, b)`` bool, ``block_slots (NB,)`` int64, ``block_ranks (NB,)``
+    int32, ``block_scalings (NB,)`` float32. ``slot_range`` is ``(lo, hi)`` when the
+    slots in use are ``lo, ..., hi - 1`` (their weights are then a view, not a copy).
+    """
+
+    def __init__(self, batch_info: BatchInfo, perm: np.ndarray, slots: np.ndarray, counts: np.ndarray) -> None:
+        super().__init__()
+        nb, b = int(slots.size), int(counts.max())
+        if nb * b == perm.size < batch_info.num_tokens:
+            b += 1  # tokens without an adapter read a padding row: make sure there is one
+        self.num_blocks, self.block_size = nb, b
+        lo = int(slots[0])
+        self.slot_range = (lo, lo + nb) if int(slots[-1]) == lo + nb - 1 else None
+        staged = StagedTensors(
+            {"block_tokens": ((nb * b,), torch.int64), "block_valid": ((nb, b), torch.bool),
+             "block_slots": ((nb,), torch.int64), "block_ranks": ((nb,), torch.int32),
+             "block_scalings": ((nb,), torch.float32), "token_rows": ((batch_info.num_tokens,), torch.int64)},
+            batch_info.device,
+        )
+        host = staged.host_arrays
+        row = np.arange(b)
+        valid = row[None, :] < counts[:, None]
+        position = np.minimum((np.cumsum(counts) - counts)[:, None] + row, perm.size - 1)
+        host["block_valid"][:] = valid
+        host["block_tokens"].reshape(nb, b)[:] = np.where(valid, perm[position], 0)
+        token_rows = host["token_rows"]
+        if perm.size < token_rows.size:
+            token_rows.fill(int(np.argmin(valid)))  # the first padding row
+        token_rows[perm] = np.flatnonzero(valid)  # the valid rows hold perm in order
+        host["block_slots"][:] = slots
+        host["block_ranks"][:] = batch_info.lora_ranks_cpu.numpy()[slots]
+        host["block_scalings"][:] = batch_info.scalings_cpu.numpy()[slots]
+        staged.upload()
+        (self.block_tokens, self.block_valid, self.block_slots, self.block_ranks, self.block_scalings,
+         self.token_rows) = staged.device.values()
+
+    def _row_ranks_and_scalings(self):
+        nb, b = self.num_blocks, self.block_size
+        return (self.block_ranks[:, None].expand(nb, b), self.block_scalings[:, None].expand(nb, b),
+                self.block_valid)
+
+    def block_weights(self, weights: torch.Tensor) -> torch.Tensor:
+        """``weights (L, ...)`` of each block's slot, ``(NB, ...)``: a view when the slots are a range."""
+        if self.slot_range is not None:
+            return weights[self.slot_range[0] : self.slot_range[1]]
+        out = self.workspace("weights", (self.num_blocks, *weights.shape[1:]), weights.dtype, weights.device)
+        return torch.index_select(weights, 0, self.block_slots, out=out)
+
+
 class ControlPlan(BatchPlan):
     """Token groups for control-flow ops.
 
@@ -54,11 +122,14 @@ class ControlPlan(BatchPlan):
         by_slot: groups are slot groups over ``token_perm`` (else segments).
         groups: the active groups (slot >= 0, rank > 0, non-empty), as :class:`TokenGroup`.
         token_perm: ``(P,)`` int64 on the device, the tokens of active slots grouped
-            by slot (``None`` for the segment plan).
+            by slot, which ``groups`` index (``None`` for the segment plan and for slot blocks).
+        slot_blocks: the slot groups as :class:`SlotBlocks`, when they replace the
+            loop over groups (``None`` otherwise).
     """
 
-    def __init__(self, by_slot: bool, groups: tuple[TokenGroup, ...], token_perm: torch.Tensor | None) -> None:
-        self.by_slot, self.groups, self.token_perm = by_slot, groups, token_perm
+    def __init__(self, by_slot: bool, groups: tuple[TokenGroup, ...], token_perm: torch.Tensor | None,
+                 slot_blocks: SlotBlocks | None = None) -> None:
+        self.by_slot, self.groups, self.token_perm, self.slot_blocks = by_slot, groups, token_perm, slot_blocks
 
     @classmethod
     def build(cls, batch_info: BatchInfo) -> ControlPlan:
@@ -84,8 +155,12 @@ class ControlPlan(BatchPlan):
             if n:
                 groups.append(TokenGroup(s, ranks[s], scalings[s], start, start + n))
                 start += n
+        used = np.flatnonzero(per_slot)
+        if used.size * int(per_slot.max()) <= SLOT_BLOCKS_MAX_PADDING * perm.size:
+            return cls(True, tuple(groups), None, SlotBlocks(batch_info, perm, used, per_slot[used]))
         return cls(True, tuple(groups), torch.from_numpy(perm).to(batch_info.device))
 
     def refill(self, batch_info: BatchInfo) -> None:
         fresh = self.build(batch_info)  # eager batches only: sizes may change freely
-        self.by_slot, self.groups, self.token_perm = fresh.by_slot, fresh.groups, fresh.token_perm
+        self.by_slot, self.groups, self.token_perm, self.slot_blocks = (
+            fresh.by_slot, fresh.groups, fresh.token_perm, fresh.slot_blocks)

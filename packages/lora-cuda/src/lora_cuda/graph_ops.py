@@ -13,7 +13,8 @@ the batch info builds on first request and refills in place with the batch:
   weights and 16-byte aligned strides;
 * **blocked** (fallback everywhere else): each slot's tokens packed into blocks
   of ``b`` rows (``NB = ceil(T/b) + L`` blocks, at most one partly filled block
-  per slot); gather the blocks' rows and their slots' weights and run one ``bmm``.
+  per slot); gather the blocks' rows and their slots' weights and run one ``bmm``
+  (:mod:`lora_cuda.block_kernels`, shared with the eager slot blocks).
 
 Either way the shrink is scaled and masked by rank and scattered back with
 ``index_add``; the expand runs once per slice and accumulates into the output.
@@ -41,6 +42,7 @@ import torch
 
 from lora_core import BatchInfo
 
+from .block_kernels import block_expand, block_shrink
 from .graph_plans import BlockPlan, SortedPlan, batch_args, batch_key
 
 __all__ = [
@@ -92,14 +94,16 @@ def graph_kernel(
 
 
 def graph_plan_types(preference: str, device: torch.device) -> tuple[type, ...]:
-    """The plans the graph-safe kernels may read for ``preference`` on ``device``:
-    what a backend builds before a capture. Where grouped GEMMs may run, the
-    blocked plan is kept too, for layers whose sizes the grouped GEMM rejects."""
+    """The plan of the kernel the graph-safe ops take for ``preference`` on ``device``:
+    what a backend builds before a capture. Where grouped GEMMs run, a layer whose
+    sizes they reject takes the blocked kernel instead; its plan is then built on that
+    layer's first call, which the warm-up step before a capture makes
+    (docs/graph-rules.md), so a batch pays for refilling it only where it is used."""
     if preference == "blocked" or not hasattr(torch, "_grouped_mm"):
         return (BlockPlan,)
     if preference == "auto" and device.type != "cpu":
         return (BlockPlan,)
-    return (SortedPlan, BlockPlan)
+    return (SortedPlan,)
 
 
 def sgemm_lora_a_graph_fwd(
@@ -114,26 +118,18 @@ def sgemm_lora_a_graph_fwd(
         batch_key(batch_info)  # a warm-up call prepares the batch for compiling
     T, in_features = x.shape
     L, cR = weights.shape[:2]
-    out = x.new_zeros(T, cR)
     if T == 0 or L == 0 or cR == 0:  # static shapes: nothing to compute, whatever the batch
-        return out
+        return x.new_zeros(T, cR)
     R = cR // num_slices
     if graph_kernel(batch_info, T, weights, in_features, cR, preference=kernel) == "grouped":
         plan = batch_info.plan(SortedPlan)
         order = plan.sorted_tokens
         scales, mask = plan.column_tables(R, num_slices)
-        xs = torch.index_select(x, 0, order, out=plan.workspace((T, in_features), x.dtype, x.device))
+        xs = torch.index_select(x, 0, order, out=plan.workspace("rows", (T, in_features), x.dtype, x.device))
         ys = torch._grouped_mm(xs, weights.transpose(1, 2), offs=plan.group_ends)
-        return out.index_add_(0, order, torch.where(mask, ys * scales, 0).to(x.dtype))
-    plan = batch_info.plan(BlockPlan)
-    nb, b = plan.num_blocks, plan.block_size
-    scales, mask = plan.column_tables(R, num_slices)
-    xb = torch.index_select(x, 0, plan.block_tokens, out=plan.workspace((nb * b, in_features), x.dtype, x.device))
-    wb = torch.index_select(weights, 0, plan.block_slots,
-                            out=plan.workspace((nb, cR, in_features), weights.dtype, weights.device))
-    yb = torch.bmm(xb.view(nb, b, in_features), wb.transpose(1, 2))  # (NB, b, c*R)
-    yb = torch.where(mask, yb * scales, 0).to(x.dtype)
-    return out.index_add_(0, plan.block_tokens, yb.view(nb * b, cR))
+        # every row is in the order once: gather each row's result back (no scatter into zeros)
+        return torch.where(mask, ys * scales, 0).to(x.dtype).index_select(0, plan.token_rows)
+    return block_shrink(x, weights, batch_info.plan(BlockPlan), num_slices)
 
 
 def sgemm_lora_b_graph_fwd(
@@ -174,23 +170,7 @@ def sgemm_lora_b_graph_fwd(
             for i in range(num_slices)
         ]
         return out.index_add_(0, order, parts[0] if num_slices == 1 else torch.cat(parts, dim=1))
-    plan = batch_info.plan(BlockPlan)
-    nb, b = plan.num_blocks, plan.block_size
-    _, mask = plan.column_tables(R, num_slices)
-    yb = torch.where(mask, x.index_select(0, plan.block_tokens).view(nb, b, cR), 0)
-    wb = torch.index_select(weights, 0, plan.block_slots,
-                            out=plan.workspace((nb, out_total, R), weights.dtype, weights.device))
-    if num_slices == 1:
-        delta = torch.bmm(yb, wb.transpose(1, 2))
-    else:
-        delta = torch.cat(
-            [
-                torch.bmm(yb[:, :, i * R : (i + 1) * R], wb[:, slice_offsets[i] : slice_offsets[i + 1]].transpose(1, 2))
-                for i in range(num_slices)
-            ],
-            dim=2,
-        )
-    return out.index_add_(0, plan.block_tokens, delta.view(nb * b, out_total))
+    return block_expand(x, weights, batch_info.plan(BlockPlan), slice_offsets, out)
 
 
 def sgemm_lora_a_embedding_graph_fwd(

@@ -31,6 +31,8 @@ import torch
 from lora_core import BatchInfo, BatchPlan
 from lora_core.staging import StagedTensors
 
+from .kernel_tables import KernelTables
+
 __all__ = ["SortedPlan", "BlockPlan", "batch_args", "batch_key", "batch_of_key", "block_size_for",
            "MIN_BLOCK_SIZE", "MAX_BLOCK_SIZE"]
 
@@ -136,91 +138,30 @@ def _slot_order(batch_info: BatchInfo) -> _SlotOrder:
     return batch_info.derived("lora_cuda.slot_order", _SlotOrder)
 
 
-class _KernelTables:
-    """What a plan keeps for its kernels per layer shape, on the device.
-
-    * column tables, per ``(R, c)``: for every planned row and every one of the
-      ``c*R`` columns, the row's slot scaling where the column is within the slot's
-      rank (else 0), and that mask as bool. Recomputed on the device after each
-      refill, so a kernel reads one table instead of rebuilding the mask per call;
-    * workspaces, per ``(shape, dtype)``: preallocated buffers for gathered
-      operands, so a call neither allocates nor page-faults them afresh.
-
-    Both are created on first use. During a graph capture that is allowed: the
-    table is then also computed inside the graph, from the plan's device tensors,
-    so a replay reads the refilled batch either way. Under ``torch.compile`` they
-    are created and looked up inside lora_cuda's custom ops, when the op runs:
-    the compiled code never reads these dicts, so their growth guards nothing.
-    """
-
-    def __init__(self, batch_info: BatchInfo) -> None:
-        if batch_info.use_graph:
-            batch_key(batch_info)  # for compiled code: see batch_args
-        self._tables: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-        self._workspaces: dict[tuple, torch.Tensor] = {}
-
-    def _row_ranks_and_scalings(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        raise NotImplementedError
-
-    def column_tables(self, max_rank: int, num_slices: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(scales, mask)`` of shape ``rows x c*R`` (float32, bool) for this plan's rows."""
-        key = (max_rank, num_slices)
-        tables = self._tables.get(key)
-        if tables is None:
-            ranks, _, _ = self._row_ranks_and_scalings()
-            shape = (*ranks.shape, max_rank * num_slices)
-            tables = self._tables[key] = (torch.empty(shape, device=ranks.device),
-                                          torch.empty(shape, dtype=torch.bool, device=ranks.device))
-            self._fill_tables(key, tables)
-        return tables
-
-    def workspace(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """A preallocated buffer of ``shape`` and ``dtype``, shared by calls of one shape."""
-        key = (tuple(shape), dtype, device)
-        buffer = self._workspaces.get(key)
-        if buffer is None:
-            buffer = self._workspaces[key] = torch.empty(shape, dtype=dtype, device=device)
-        return buffer
-
-    @property
-    def kernel_memory_bytes(self) -> int:
-        """Bytes held by the column tables and workspaces created so far."""
-        tensors = [t for pair in self._tables.values() for t in pair] + list(self._workspaces.values())
-        return sum(t.numel() * t.element_size() for t in tensors)
-
-    def _refresh_tables(self) -> None:
-        for key, tables in self._tables.items():
-            self._fill_tables(key, tables)
-
-    def _fill_tables(self, key: tuple[int, int], tables: tuple[torch.Tensor, torch.Tensor]) -> None:
-        max_rank, num_slices = key
-        scales, mask = tables
-        ranks, scalings, valid = self._row_ranks_and_scalings()
-        cols = torch.arange(max_rank, device=ranks.device).repeat(num_slices)
-        torch.lt(cols, ranks[..., None], out=mask)
-        if valid is not None:
-            mask &= valid[..., None]
-        torch.mul(mask, scalings[..., None], out=scales)
-
-
-class SortedPlan(_KernelTables, BatchPlan):
+class SortedPlan(KernelTables, BatchPlan):
     """Rows sorted by slot for grouped GEMMs (``rows`` = the batch info's ``num_tokens``).
 
-    Device tensors: ``sorted_tokens (rows,)`` int64, ``sorted_ranks (rows,)`` int32,
+    Device tensors: ``sorted_tokens (rows,)`` int64, ``token_rows (rows,)`` int64 (its
+    inverse: each row's position in the order), ``sorted_ranks (rows,)`` int32,
     ``sorted_scalings (rows,)`` float32 (0 for rows without an adapter),
     ``group_ends (L,)`` int32 (end row of each slot's group; the last group also
     holds the rows without an adapter, so it ends at ``rows``).
     """
 
     def __init__(self, batch_info: BatchInfo) -> None:
-        super().__init__(batch_info)
+        super().__init__()
+        if batch_info.use_graph:
+            batch_key(batch_info)  # for compiled code: see batch_args
         self.num_rows, L = batch_info.num_tokens, batch_info.num_slots
+        self._positions = np.arange(self.num_rows, dtype=np.int64)
         self._staged = StagedTensors(
-            {"sorted_tokens": ((self.num_rows,), torch.int64), "sorted_ranks": ((self.num_rows,), torch.int32),
+            {"sorted_tokens": ((self.num_rows,), torch.int64), "token_rows": ((self.num_rows,), torch.int64),
+             "sorted_ranks": ((self.num_rows,), torch.int32),
              "sorted_scalings": ((self.num_rows,), torch.float32), "group_ends": ((L,), torch.int32)},
             batch_info.device, double_buffered=batch_info.use_graph,
         )
-        self.sorted_tokens, self.sorted_ranks, self.sorted_scalings, self.group_ends = self._staged.device.values()
+        (self.sorted_tokens, self.token_rows, self.sorted_ranks, self.sorted_scalings,
+         self.group_ends) = self._staged.device.values()
         self.refill(batch_info)
 
     @classmethod
@@ -238,6 +179,7 @@ class SortedPlan(_KernelTables, BatchPlan):
         order = _slot_order(batch_info)
         host = self._staged.host_arrays
         host["sorted_tokens"][:] = order.order
+        host["token_rows"][order.order] = self._positions
         host["sorted_ranks"][:] = order.row_ranks
         host["sorted_scalings"][:] = order.row_scalings
         ends = host["group_ends"]
@@ -248,27 +190,32 @@ class SortedPlan(_KernelTables, BatchPlan):
         self._refresh_tables()
 
 
-class BlockPlan(_KernelTables, BatchPlan):
+class BlockPlan(KernelTables, BatchPlan):
     """Token blocks for the blocked kernel: ``NB = ceil(rows / b) + L`` blocks of ``b`` rows.
 
     Device tensors: ``block_slots (NB,)`` int64, ``block_ranks (NB,)`` int32,
     ``block_scalings (NB,)`` float32, ``block_tokens (NB*b,)`` int64,
-    ``block_valid (NB, b)`` bool. Padding blocks have rank 0, slot 0, scaling 0.
+    ``block_valid (NB, b)`` bool, ``token_rows (rows,)`` int64 (each row's position in
+    the blocks; for rows without an adapter, the first padding row's: with
+    ``NB*b >= rows + b`` there always is one). Padding blocks have rank 0, slot 0,
+    scaling 0.
     """
 
     def __init__(self, batch_info: BatchInfo) -> None:
-        super().__init__(batch_info)
+        super().__init__()
+        if batch_info.use_graph:
+            batch_key(batch_info)
         rows, L = batch_info.num_tokens, batch_info.num_slots
         self.block_size = b = block_size_for(rows, L)
         self.num_blocks = nb = -(-rows // b) + L
         self._staged = StagedTensors(
             {"block_slots": ((nb,), torch.int64), "block_ranks": ((nb,), torch.int32),
              "block_scalings": ((nb,), torch.float32), "block_tokens": ((nb * b,), torch.int64),
-             "block_valid": ((nb, b), torch.bool)},
+             "block_valid": ((nb, b), torch.bool), "token_rows": ((rows,), torch.int64)},
             batch_info.device, double_buffered=batch_info.use_graph,
         )
         (self.block_slots, self.block_ranks, self.block_scalings, self.block_tokens,
-         self.block_valid) = self._staged.device.values()
+         self.block_valid, self.token_rows) = self._staged.device.values()
         self.refill(batch_info)
 
     def refill_from(self, batch_info: BatchInfo, twin: BatchPlan) -> None:
@@ -279,6 +226,11 @@ class BlockPlan(_KernelTables, BatchPlan):
         nb = self.num_blocks
         return (self.block_ranks[:, None].expand(nb, self.block_size),
                 self.block_scalings[:, None].expand(nb, self.block_size), self.block_valid)
+
+    def block_weights(self, weights: torch.Tensor) -> torch.Tensor:
+        """``weights (L, ...)`` of each block's slot, ``(NB, ...)``, gathered into a workspace."""
+        out = self.workspace("weights", (self.num_blocks, *weights.shape[1:]), weights.dtype, weights.device)
+        return torch.index_select(weights, 0, self.block_slots, out=out)
 
     @property
     def gathered_rows(self) -> int:
@@ -310,7 +262,13 @@ class BlockPlan(_KernelTables, BatchPlan):
         valid = real[:, None] & (row_in_slot < counts[slot][:, None])
         position = np.minimum((np.cumsum(counts) - counts)[slot][:, None] + row_in_slot, order.order.size - 1)
         host["block_valid"][:] = valid
-        host["block_tokens"].reshape(nb, b)[:] = np.where(valid, order.order[position], 0)
+        tokens = np.where(valid, order.order[position], 0)
+        host["block_tokens"].reshape(nb, b)[:] = tokens
+        token_rows = host["token_rows"]
+        flat_valid = valid.reshape(-1)
+        token_rows.fill(int(np.argmin(flat_valid)))  # the first padding row
+        filled = np.flatnonzero(flat_valid)
+        token_rows[tokens.reshape(-1)[filled]] = filled
         host["block_slots"][:] = np.where(real, slot, 0)
         host["block_ranks"][:] = np.where(real, batch_info.lora_ranks_cpu.numpy()[slot], 0)
         host["block_scalings"][:] = np.where(real, batch_info.scalings_cpu.numpy()[slot], 0)

@@ -1,0 +1,81 @@
+"""Shrink and expand over token blocks: one ``bmm`` per op, whatever the slot count.
+
+A block layout puts ``b`` rows of one slot in each of its ``NB`` blocks (padding
+rows are invalid and point at row 0); its kernels gather the blocks' rows and
+their slots' weights and run one batched GEMM. Two layouts use these kernels:
+
+* :class:`~lora_cuda.graph_plans.BlockPlan` (graph-safe): ``NB = ceil(T/b) + L``
+  blocks of a fixed ``b``, shapes fixed by the capacity;
+* :class:`~lora_cuda.control_plan.SlotBlocks` (eager): one block per slot in use,
+  ``b`` = the largest slot's token count, shapes fixed by the batch.
+
+A layout provides ``num_blocks``, ``block_size``, ``block_tokens (NB*b,)`` int64,
+``token_rows (T,)`` int64 (each row's position in the blocks; for a row in no
+block, the position of a padding row, which the mask zeroes), ``column_tables(R, c)`` (``(NB, b, c*R)`` scales and mask, see
+:class:`~lora_cuda.kernel_tables.KernelTables`), ``workspace(...)`` and
+``block_weights(weights)``: the ``(NB, ...)`` weights of each block's slot.
+Inputs are validated by the dispatcher in :mod:`lora_cuda.ops`.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+__all__ = ["BlockLayout", "block_shrink", "block_expand"]
+
+
+class BlockLayout(Protocol):
+    num_blocks: int
+    block_size: int
+    block_tokens: torch.Tensor
+    token_rows: torch.Tensor
+
+    def column_tables(self, max_rank: int, num_slices: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def workspace(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor: ...
+
+    def block_weights(self, weights: torch.Tensor) -> torch.Tensor: ...
+
+
+def block_shrink(x: torch.Tensor, weights: torch.Tensor, blocks: BlockLayout, num_slices: int) -> torch.Tensor:
+    """Scaled shrink. ``x: (T, in)``, ``weights: (L, c*R, in)`` -> ``(T, c*R)`` in ``x.dtype``:
+    ``out[t, i*R + k] = scaling[s] * x[t] @ weights[s, i*R + k]`` for ``k < rank[s]``, ``s``
+    the slot of ``t``'s block, else 0 (rows in no block included).
+
+    Each row's result is gathered from the blocks (``token_rows``), not scattered into
+    zeros: every row has at most one block row, and a gather is deterministic and, on
+    CPU, several microseconds cheaper than ``index_add_`` at decode sizes."""
+    T, in_features = x.shape
+    cR = weights.shape[1]
+    nb, b = blocks.num_blocks, blocks.block_size
+    scales, mask = blocks.column_tables(cR // num_slices, num_slices)
+    xb = torch.index_select(x, 0, blocks.block_tokens,
+                            out=blocks.workspace("rows", (nb * b, in_features), x.dtype, x.device))
+    yb = torch.bmm(xb.view(nb, b, in_features), blocks.block_weights(weights).transpose(1, 2))  # (NB, b, c*R)
+    shrunk = torch.where(mask, yb * scales, 0).to(x.dtype).view(nb * b, cR)  # padding rows are 0
+    return shrunk.index_select(0, blocks.token_rows[:T])  # a graph-mode x may stop at the real tokens
+
+
+def block_expand(
+    x: torch.Tensor, weights: torch.Tensor, blocks: BlockLayout, slice_offsets: tuple[int, ...], out: torch.Tensor
+) -> torch.Tensor:
+    """Expand into ``out`` in place. ``x: (T, c*R)``, ``weights: (L, out_total, R)``,
+    ``out: (T, out_total)``: ``out[t, o_i:o_i+1] += x[t, i*R : i*R + rank[s]] @ weights[s, o_i:o_i+1, :rank[s]].T``
+    for each slice ``i``, ``s`` the slot of ``t``'s block; columns beyond the rank are never read."""
+    cR = x.shape[1]
+    R, num_slices = weights.shape[2], len(slice_offsets) - 1
+    nb, b = blocks.num_blocks, blocks.block_size
+    _, mask = blocks.column_tables(R, num_slices)
+    yb = torch.where(mask, x.index_select(0, blocks.block_tokens).view(nb, b, cR), 0)
+    wb = blocks.block_weights(weights)  # (NB, out_total, R)
+    if num_slices == 1:
+        delta = torch.bmm(yb, wb.transpose(1, 2))
+    else:
+        delta = torch.cat(
+            [torch.bmm(yb[:, :, i * R : (i + 1) * R], wb[:, slice_offsets[i] : slice_offsets[i + 1]].transpose(1, 2))
+             for i in range(num_slices)],
+            dim=2,
+        )
+    return out.index_add_(0, blocks.block_tokens, delta.view(nb * b, slice_offsets[-1]))

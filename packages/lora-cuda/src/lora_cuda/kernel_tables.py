@@ -1,0 +1,87 @@
+"""Per-layer-shape tables and workspaces that a kernel plan keeps on the device.
+
+A plan lays a batch's rows out for one kernel (sorted by slot, or in blocks);
+its kernels then need, for every planned row and column of a layer, whether the
+column is within the row's slot rank and the slot's scaling. :class:`KernelTables`
+computes those once per layer shape and keeps them, with preallocated buffers
+for gathered operands, beside the plan.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["KernelTables"]
+
+
+class KernelTables:
+    """What a plan keeps for its kernels per layer shape, on the device.
+
+    * column tables, per ``(R, c)``: for every planned row and every one of the
+      ``c*R`` columns, the row's slot scaling where the column is within the slot's
+      rank (else 0), and that mask as bool. Recomputed on the device after each
+      refill, so a kernel reads one table instead of rebuilding the mask per call;
+    * workspaces, per ``(shape, dtype)``: preallocated buffers for gathered
+      operands, so a call neither allocates nor page-faults them afresh.
+
+    Both are created on first use. During a graph capture that is allowed: the
+    table is then also computed inside the graph, from the plan's device tensors,
+    so a replay reads the refilled batch either way. Under ``torch.compile`` they
+    are created and looked up inside lora_cuda's custom ops, when the op runs:
+    the compiled code never reads these dicts, so their growth guards nothing.
+
+    Subclasses give the planned rows' ranks, scalings and validity
+    (:meth:`_row_ranks_and_scalings`, any common shape ``P``; tables are ``P x c*R``)
+    and call :meth:`_refresh_tables` whenever those change.
+    """
+
+    def __init__(self) -> None:
+        self._tables: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._workspaces: dict[tuple, torch.Tensor] = {}
+
+    def _row_ranks_and_scalings(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """``(ranks, scalings, valid)`` of the planned rows: int, float32 and bool (or ``None``
+        when every row is valid), all of one shape ``P``."""
+        raise NotImplementedError
+
+    def column_tables(self, max_rank: int, num_slices: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(scales, mask)`` of shape ``P x c*R`` (float32, bool) for this plan's rows."""
+        key = (max_rank, num_slices)
+        tables = self._tables.get(key)
+        if tables is None:
+            ranks, _, _ = self._row_ranks_and_scalings()
+            shape = (*ranks.shape, max_rank * num_slices)
+            tables = self._tables[key] = (torch.empty(shape, device=ranks.device),
+                                          torch.empty(shape, dtype=torch.bool, device=ranks.device))
+            self._fill_tables(key, tables)
+        return tables
+
+    def workspace(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A preallocated buffer for the kernels' operand ``name`` of ``shape`` and ``dtype``,
+        shared by every call with that operand shape (its content is whatever the last
+        call left: kernels write it in full before reading it)."""
+        key = (name, tuple(shape), dtype, device)
+        buffer = self._workspaces.get(key)
+        if buffer is None:
+            buffer = self._workspaces[key] = torch.empty(shape, dtype=dtype, device=device)
+        return buffer
+
+    @property
+    def kernel_memory_bytes(self) -> int:
+        """Bytes held by the column tables and workspaces created so far."""
+        tensors = [t for pair in self._tables.values() for t in pair] + list(self._workspaces.values())
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def _refresh_tables(self) -> None:
+        for key, tables in self._tables.items():
+            self._fill_tables(key, tables)
+
+    def _fill_tables(self, key: tuple[int, int], tables: tuple[torch.Tensor, torch.Tensor]) -> None:
+        max_rank, num_slices = key
+        scales, mask = tables
+        ranks, scalings, valid = self._row_ranks_and_scalings()
+        cols = torch.arange(max_rank, device=ranks.device).repeat(num_slices)
+        torch.lt(cols, ranks[..., None], out=mask)
+        if valid is not None:
+            mask &= valid[..., None]
+        torch.mul(mask, scalings[..., None], out=scales)
