@@ -34,7 +34,7 @@ from typing import Callable, Sequence, TypeVar
 import numpy as np
 import torch
 
-from .checks import allocating, check_bool, check_device, check_finite_float, check_int, is_int
+from .checks import FLOAT32_MAX, allocating, check_bool, check_device, check_finite_float, check_int, is_int
 from .graphs import is_capturing
 from .plans import BatchPlan
 from .staging import StagedTensors
@@ -448,8 +448,30 @@ def _validate_adapters(
     for slot, rank in enumerate(ranks):
         if max_rank is not None and rank > max_rank:
             raise ValueError(f"lora_ranks[{slot}] = {rank} exceeds max_rank = {max_rank}")
-    checked = tuple(check_finite_float(f"scalings[{slot}]", scale, float32=True) for slot, scale in enumerate(scales))
-    return tuple(ranks), checked
+    return tuple(ranks), _finite_float32_values(scales)
+
+
+def _finite_float32_values(scales: list) -> tuple[float, ...]:
+    """Scalings as Python floats, each finite in float32; vectorised for plain floats and ints."""
+    if scales and set(map(type, scales)) <= {float, int}:
+        try:
+            values = np.array(scales, dtype=np.float64)
+        except OverflowError:  # an int too large for a float: checked one by one below
+            values = None
+        if values is not None and np.isfinite(values).all() and np.abs(values).max() <= FLOAT32_MAX:
+            return tuple(values.tolist())
+    return tuple(check_finite_float(f"scalings[{slot}]", scale, float32=True) for slot, scale in enumerate(scales))
+
+
+def _plain_int_array(values: list) -> np.ndarray | None:
+    """``values`` as int64 when all are plain Python ints that fit (the type check runs in C),
+    else ``None``: the caller then checks them one by one, naming the bad one."""
+    if not values or set(map(type, values)) != {int}:
+        return None
+    try:
+        return np.array(values, dtype=np.int64)
+    except OverflowError:
+        return None
 
 
 def _validate_requests(seq_lens: Sequence[int], slot_ids: Sequence[int | None], num_slots: int) -> _Requests:
@@ -459,18 +481,23 @@ def _validate_requests(seq_lens: Sequence[int], slot_ids: Sequence[int | None], 
         raise ValueError(
             f"seq_lens and slot_ids must have one entry per request; got {len(lens)} and {len(slots)}"
         )
-    lens = _int_values("seq_lens", lens, 0)
+    lens_array = _plain_int_array(lens)
+    if lens_array is None or lens_array.min() < 0:
+        lens, lens_array = _int_values("seq_lens", lens, 0), None  # raises naming a bad length
+    total = int(lens_array.sum()) if lens_array is not None and lens_array.max() <= _MAX_TOKENS else sum(lens)
+    if total > _MAX_TOKENS:
+        raise ValueError(f"seq_lens sum to {total} tokens, more than a batch can index (2**31 - 1)")
+    if lens_array is None:
+        lens_array = np.array(lens, dtype=np.int64)
     if None in slots:
         slots = [-1 if s is None else s for s in slots]
-    if not (slots and set(map(type, slots)) == {int} and min(slots) >= -1 and max(slots) < num_slots):
+    slots_array = _plain_int_array(slots)
+    if slots_array is None or slots_array.min() < -1 or slots_array.max() >= num_slots:
         for i, s in enumerate(slots):
             if not is_int(s) or not -1 <= s < num_slots:
                 raise ValueError(f"slot_ids[{i}] must be None, -1 or a slot in [0, {num_slots}), got {s!r}")
-        slots = [int(s) for s in slots]
-    total = sum(lens)
-    if total > _MAX_TOKENS:
-        raise ValueError(f"seq_lens sum to {total} tokens, more than a batch can index (2**31 - 1)")
-    return _Requests(np.array(lens, dtype=np.int64), np.array(slots, dtype=np.int64), total)
+        slots_array = np.array([int(s) for s in slots], dtype=np.int64)
+    return _Requests(lens_array, slots_array, total)
 
 
 def _check_capacity(requests: _Requests, capacity: int) -> None:

@@ -20,7 +20,7 @@ mirrors; the Python loop runs over segments or slots, never over tokens.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -41,8 +41,7 @@ SLOT_BLOCKS_MAX_PADDING = 2.0
 most this many times the tokens with an adapter."""
 
 
-@dataclass(frozen=True)
-class TokenGroup:
+class TokenGroup(NamedTuple):
     """A run of tokens that share one active adapter slot.
 
     ``start:end`` indexes the flattened batch (segments) or ``ControlPlan.token_perm``
@@ -136,29 +135,28 @@ class ControlPlan(BatchPlan):
         S, L = batch_info.num_segments, batch_info.num_slots
         seg_slots = batch_info.weight_indices_cpu.numpy()[:S]
         seg_lens = batch_info.seg_lens_cpu.numpy()[:S]
-        active = np.append(batch_info.lora_ranks_cpu.numpy(), 0)[seg_slots] > 0  # slot -1 -> rank 0
+        slot_ranks = np.append(batch_info.lora_ranks_cpu.numpy(), 0)  # slot -1 -> rank 0
+        active = slot_ranks[seg_slots] > 0
         slots, lens = seg_slots[active], seg_lens[active]
         per_slot = np.bincount(slots, weights=lens, minlength=L).astype(np.int64)
-        num_groups, num_slots = int(active.sum()), int(np.count_nonzero(per_slot))
+        num_groups, num_tokens = slots.size, int(lens.sum())
         ranks, scalings = batch_info.lora_ranks_host, batch_info.scalings_host
-        by_slot = num_slots < num_groups and int(lens.sum()) / num_groups < SLOT_GROUPING_MAX_MEAN_SEGMENT_LEN
+        used = np.flatnonzero(per_slot)
+        by_slot = used.size < num_groups and num_tokens / num_groups < SLOT_GROUPING_MAX_MEAN_SEGMENT_LEN
         if not by_slot:
             starts = batch_info.seg_indptr_cpu.numpy()[:S][active].tolist()
             groups = tuple(TokenGroup(s, ranks[s], scalings[s], start, start + n)
                            for s, n, start in zip(slots.tolist(), lens.tolist(), starts))
             return cls(False, groups, None)
         token_slots = batch_info.token_slots_cpu.numpy()[: batch_info.num_real_tokens]
-        token_active = np.append(batch_info.lora_ranks_cpu.numpy(), 0)[token_slots] > 0
-        perm = np.argsort(np.where(token_active, token_slots, L), kind="stable")[: int(lens.sum())]
-        groups, start = [], 0
-        for s, n in enumerate(per_slot.tolist()):
-            if n:
-                groups.append(TokenGroup(s, ranks[s], scalings[s], start, start + n))
-                start += n
-        used = np.flatnonzero(per_slot)
-        if used.size * int(per_slot.max()) <= SLOT_BLOCKS_MAX_PADDING * perm.size:
-            return cls(True, tuple(groups), None, SlotBlocks(batch_info, perm, used, per_slot[used]))
-        return cls(True, tuple(groups), torch.from_numpy(perm).to(batch_info.device))
+        perm = np.argsort(np.where(slot_ranks[token_slots] > 0, token_slots, L), kind="stable")[:num_tokens]
+        counts = per_slot[used]
+        ends = np.cumsum(counts).tolist()
+        groups = tuple(TokenGroup(s, ranks[s], scalings[s], end - n, end)
+                       for s, n, end in zip(used.tolist(), counts.tolist(), ends))
+        if used.size * int(counts.max()) <= SLOT_BLOCKS_MAX_PADDING * num_tokens:
+            return cls(True, groups, None, SlotBlocks(batch_info, perm, used, counts))
+        return cls(True, groups, torch.from_numpy(perm).to(batch_info.device))
 
     def refill(self, batch_info: BatchInfo) -> None:
         fresh = self.build(batch_info)  # eager batches only: sizes may change freely
