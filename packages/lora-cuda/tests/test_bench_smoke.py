@@ -48,3 +48,28 @@ def test_planning_benchmark_runs_and_reports_spreads(capsys):
                        for c in bench_planning.smoke_cases())
     assert decode.refill_vs_layer is not None and len(decode.refill_us.samples) == 2
     assert prefill.layer_us is None  # the layer ratio is for decode shapes
+
+
+def test_benchmarks_time_with_the_threads_they_report(monkeypatch):
+    # torch.utils.benchmark.Timer times with one thread unless told otherwise; the tables
+    # report torch.get_num_threads(), so every timer must be given that count
+    import torch
+    from torch.utils import benchmark as torch_benchmark
+
+    from lora_cuda import bench_planning
+
+    seen = []
+    real_timer = torch_benchmark.Timer
+
+    def recording_timer(*args, **kwargs):
+        seen.append(kwargs.get("num_threads", 1))
+        return real_timer(*args, **kwargs)
+
+    monkeypatch.setattr(torch_benchmark, "Timer", recording_timer)
+    threads = torch.get_num_threads()
+    try:
+        assert bench.main(["--smoke", "--threads", "2"]) == 0
+        assert bench_planning.main(["--smoke", "--threads", "2"]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    assert seen and set(seen) == {2}

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from lora_core.testing import make_batch_info, random_linear_weights
-from lora_core.testing.timing import Spread, benchmark_parser, format_spread, machine_info
+from lora_core.testing.timing import Spread, apply_threads, benchmark_parser, format_spread, machine_info
 from lora_cuda.bench import floor_lora, interleaved_times, upstream_control_lora
 
 from .backend import AscendBackend
@@ -130,6 +130,7 @@ def format_table(rows: Sequence[Row]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = benchmark_parser("python -m lora_ascend.bench", __doc__.split("\n\n")[0]).parse_args(argv)
+    apply_threads(args.threads)
     rows = run(smoke=args.smoke, min_run_time=0.01 if args.smoke else args.min_run_time,
                rounds=3 if args.smoke else args.rounds)
     print(format_table(rows))

@@ -27,7 +27,7 @@ from torch.utils import benchmark
 
 from lora_core import BatchInfo
 from lora_core.testing import make_batch_info, random_linear_weights
-from lora_core.testing.timing import Spread, benchmark_parser, format_spread, machine_info
+from lora_core.testing.timing import Spread, apply_threads, benchmark_parser, format_spread, machine_info
 
 from .backend import TorchNativeBackend
 from .ops import sgemm_lora_a_fwd, sgemm_lora_b_fwd
@@ -121,7 +121,8 @@ def _ours(info: BatchInfo, a: torch.Tensor, b: torch.Tensor, offsets: tuple[int,
 
 
 def time_us(fn: Callable, *args, min_run_time: float) -> float:
-    timer = benchmark.Timer(stmt="fn(*args)", globals={"fn": fn, "args": args})
+    # with the process's threads: Timer's default is one thread, whatever torch uses
+    timer = benchmark.Timer(stmt="fn(*args)", globals={"fn": fn, "args": args}, num_threads=torch.get_num_threads())
     return timer.blocked_autorange(min_run_time=min_run_time).median * 1e6
 
 
@@ -193,6 +194,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = benchmark_parser("python -m lora_cuda.bench", __doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cpu", help="torch device to run on (default cpu; e.g. cuda)")
     args = parser.parse_args(argv)
+    apply_threads(args.threads)
     try:
         torch.empty(0, device=args.device)
     except (RuntimeError, AssertionError) as err:

@@ -29,7 +29,7 @@ from torch.utils import benchmark
 
 from lora_core import build_batch_info
 from lora_core.testing import random_linear_weights
-from lora_core.testing.timing import Spread, benchmark_parser, format_spread, machine_info
+from lora_core.testing.timing import Spread, apply_threads, benchmark_parser, format_spread, machine_info
 
 from .backend import TorchNativeBackend
 from .ops import sgemm_lora_a_fwd, sgemm_lora_b_fwd
@@ -84,7 +84,8 @@ def smoke_cases() -> list[PlanningCase]:
 
 
 def _us(fn: Callable[[], object], min_run_time: float) -> float:
-    return benchmark.Timer("fn()", globals={"fn": fn}).blocked_autorange(min_run_time=min_run_time).median * 1e6
+    timer = benchmark.Timer("fn()", globals={"fn": fn}, num_threads=torch.get_num_threads())  # Timer's default is 1
+    return timer.blocked_autorange(min_run_time=min_run_time).median * 1e6
 
 
 def run_case(case: PlanningCase, *, min_run_time: float = 0.5, rounds: int = 7, hidden: int = 2048) -> PlanningResult:
@@ -148,6 +149,7 @@ def format_table(results: Sequence[PlanningResult]) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = benchmark_parser("python -m lora_cuda.bench_planning", __doc__.split("\n\n")[0], min_run_time=0.5)
     args = parser.parse_args(argv)
+    apply_threads(args.threads)
     smoke = args.smoke
     results = [run_case(c, min_run_time=0.01 if smoke else args.min_run_time, rounds=3 if smoke else args.rounds,
                         hidden=64 if smoke else 2048)

@@ -18,7 +18,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-__all__ = ["Interleaved", "Spread", "machine_info", "sync_device", "format_spread", "benchmark_parser"]
+__all__ = ["Interleaved", "Spread", "machine_info", "sync_device", "format_spread", "benchmark_parser",
+           "apply_threads"]
 
 
 @dataclass(frozen=True)
@@ -123,13 +124,32 @@ def _rounds(text: str) -> int:
     return value
 
 
+def _threads(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def benchmark_parser(prog: str, description: str, *, min_run_time: float = 1.0) -> argparse.ArgumentParser:
     """The options every lora-kit benchmark takes: ``--smoke``, ``--min-run-time``,
-    ``--rounds`` and ``--json`` (``lora-sim bench`` passes ``--smoke`` to each)."""
+    ``--rounds``, ``--json`` and ``--threads`` (``lora-sim bench`` passes ``--smoke`` to each)."""
     parser = argparse.ArgumentParser(prog=prog, description=description)
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, a quick check that everything runs")
     parser.add_argument("--min-run-time", type=float, default=min_run_time,
                         help=f"seconds per variant, split over the interleaved rounds (default {min_run_time})")
     parser.add_argument("--rounds", type=_rounds, default=7, help="interleaved rounds, at least 1 (default 7)")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    parser.add_argument("--threads", type=_threads, default=None,
+                        help="torch intra-op threads to time with (default: torch's, "
+                             f"{torch.get_num_threads()} here); reported with the figures")
     return parser
+
+
+def apply_threads(threads: int | None) -> int:
+    """Set this benchmark process's torch intra-op threads (``--threads``) and return the
+    count every timer must use: ``torch.utils.benchmark.Timer`` times with one thread unless
+    told otherwise, which would disagree with the threads reported beside the figures."""
+    if threads is not None:
+        torch.set_num_threads(threads)
+    return torch.get_num_threads()
