@@ -410,6 +410,8 @@ def _check_device(device: torch.device | str) -> torch.device:
 
 
 def _host_values(name: str, values: Sequence) -> list:
+    if type(values) is list or type(values) is tuple:  # the common case, before the ABC checks below
+        return list(values)
     if isinstance(values, torch.Tensor):
         if values.device.type != "cpu":
             raise ValueError(
