@@ -188,6 +188,12 @@ class BatchInfo:
         return self._num_segments
 
     @property
+    def segments_host(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(seg_lens, seg_slots, seg_starts)`` of the current batch's segments as int64
+        NumPy arrays (``S`` each; read-only by convention): what host planning reads."""
+        return self._segments
+
+    @property
     def max_len(self) -> int:
         """The longest segment of the current batch (0 for an empty batch)."""
         return int(self.seg_lens_cpu[: self._num_segments].max()) if self._num_segments else 0
@@ -322,6 +328,7 @@ class BatchInfo:
         host["token_slots"][T:] = -1
         self._batch.upload()
         self._requests, self._num_segments = requests, S
+        self._segments = (seg_lens, seg_slots, np.cumsum(seg_lens) - seg_lens)
         self._derived = {}
         if self.use_graph and self._lm_head_view is not None:
             self._lm_head_view._publish_view_of(self)
@@ -334,7 +341,7 @@ class BatchInfo:
             self._publish_batch(requests)
             return
         self._batch.copy_published(batch._batch)
-        self._requests, self._num_segments = requests, batch._num_segments
+        self._requests, self._num_segments, self._segments = requests, batch._num_segments, batch._segments
         self._derived = batch._derived  # equal host data: the same derived values
 
     def _refill_dependents(self) -> None:

@@ -111,26 +111,23 @@ class _SlotOrder:
     """
 
     def __init__(self, batch_info: BatchInfo) -> None:
-        L, S = batch_info.num_slots, batch_info.num_segments
+        L = batch_info.num_slots
         rows, real = batch_info.num_tokens, batch_info.num_real_tokens
-        seg_slots = batch_info.weight_indices_cpu.numpy()[:S].astype(np.int64)
-        seg_lens = batch_info.seg_lens_cpu.numpy()[:S].astype(np.int64)
-        seg_starts = batch_info.seg_indptr_cpu.numpy()[:S].astype(np.int64)
-        ranks = np.append(batch_info.lora_ranks_cpu.numpy().astype(np.int64), 0)  # slot -1 -> rank 0
+        seg_lens, seg_slots, seg_starts = batch_info.segments_host
+        ranks = np.append(batch_info.lora_ranks_cpu.numpy(), 0)  # slot -1 -> rank 0
         scalings = np.append(batch_info.scalings_cpu.numpy(), np.float32(0))
-        seg_ranks = ranks[seg_slots]
+        seg_ranks = ranks[seg_slots]  # 0 for segments without an adapter
         active = seg_ranks > 0
         key = np.where(active, seg_slots, L)
-        if rows > real:  # graph-mode padding rows: one more inactive range
-            key, seg_lens = np.append(key, L), np.append(seg_lens, rows - real)
-            seg_starts, seg_ranks = np.append(seg_starts, real), np.append(seg_ranks, 0)
-            active = np.append(active, False)
-            seg_slots = np.append(seg_slots, -1)
         by_slot = np.argsort(key, kind="stable")
         lens = seg_lens[by_slot]
-        self.order = np.arange(rows, dtype=np.int64) + np.repeat(seg_starts[by_slot] - (np.cumsum(lens) - lens), lens)
-        self.row_ranks = np.repeat(np.where(active, seg_ranks, 0)[by_slot], lens)
-        self.row_scalings = np.repeat(np.where(active, scalings[seg_slots], 0)[by_slot], lens)
+        # graph-mode padding rows [real, rows) have no adapter and come last, in row order
+        self.order = np.arange(rows, dtype=np.int64)
+        self.order[:real] += np.repeat(seg_starts[by_slot] - (np.cumsum(lens) - lens), lens)
+        self.row_ranks = np.zeros(rows, dtype=np.int32)
+        self.row_ranks[:real] = np.repeat(seg_ranks[by_slot], lens)
+        self.row_scalings = np.zeros(rows, dtype=np.float32)
+        self.row_scalings[:real] = np.repeat(np.where(active, scalings[seg_slots], 0)[by_slot], lens)
         self.counts = np.bincount(key, weights=seg_lens, minlength=L + 1)[:L].astype(np.int64)
 
 

@@ -37,6 +37,7 @@ class KernelTables:
 
     def __init__(self) -> None:
         self._tables: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._operands: dict[tuple[int, int], tuple] = {}  # what a refresh reads, made once per table
         self._workspaces: dict[tuple, torch.Tensor] = {}
 
     def _row_ranks_and_scalings(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -77,11 +78,16 @@ class KernelTables:
             self._fill_tables(key, tables)
 
     def _fill_tables(self, key: tuple[int, int], tables: tuple[torch.Tensor, torch.Tensor]) -> None:
-        max_rank, num_slices = key
+        operands = self._operands.get(key)
+        if operands is None:  # views of the plan's tensors (fixed for its lifetime) and the column ranks
+            max_rank, num_slices = key
+            ranks, scalings, valid = self._row_ranks_and_scalings()
+            cols = torch.arange(max_rank, device=ranks.device).repeat(num_slices)
+            operands = self._operands[key] = (cols, ranks[..., None], scalings[..., None],
+                                              None if valid is None else valid[..., None])
+        cols, ranks, scalings, valid = operands
         scales, mask = tables
-        ranks, scalings, valid = self._row_ranks_and_scalings()
-        cols = torch.arange(max_rank, device=ranks.device).repeat(num_slices)
-        torch.lt(cols, ranks[..., None], out=mask)
+        torch.lt(cols, ranks, out=mask)
         if valid is not None:
-            mask &= valid[..., None]
-        torch.mul(mask, scalings[..., None], out=scales)
+            mask &= valid
+        torch.mul(mask, scalings, out=scales)
