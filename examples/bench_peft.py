@@ -43,7 +43,8 @@ import torch
 
 from lora_core import available_backends
 from lora_core.testing import TOLERANCES
-from lora_core.testing.timing import Interleaved, Spread, benchmark_parser, format_spread, machine_info, sync_device
+from lora_core.testing.timing import (Interleaved, Spread, apply_threads, benchmark_parser, format_spread, machine_info,
+                                     sync_device)
 
 SIZES = {
     "default": dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=4, num_attention_heads=8,
@@ -233,7 +234,6 @@ def main(argv: list[str] | None = None) -> int:
     parser = benchmark_parser("bench_peft", "lora-kit vs PEFT's mixed-batch inference on a transformers model")
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     parser.add_argument("--repeats", type=int, default=None, help="forwards per variant per round")
-    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--clock", choices=["wall", "thread"], default="wall",
                         help="wall: elapsed time (default); thread: this thread's CPU time, which other "
                              "processes on a busy machine do not inflate (CPU only, needs --threads 1)")
@@ -243,8 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore", category=FutureWarning)  # transformers renaming past_key_values
     if args.clock == "thread" and (args.threads != 1 or args.device != "cpu"):
         parser.error("--clock thread counts one thread's CPU time: use it with --threads 1 on the CPU")
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    apply_threads(args.threads)
     clock = time.thread_time if args.clock == "thread" else time.perf_counter
     size = "smoke" if args.smoke else "default"
     rounds = 3 if args.smoke else args.rounds
