@@ -93,6 +93,10 @@ def _merge_segments(requests: _Requests) -> tuple[np.ndarray, np.ndarray]:
     return np.add.reduceat(lens, first), slots[first]
 
 
+def _adapter_fields(num_slots: int) -> dict:
+    return {"lora_ranks": ((num_slots,), torch.int32), "scalings": ((num_slots,), torch.float32)}
+
+
 def _batch_fields(num_segments: int, num_rows: int) -> dict:
     return {
         "seg_lens": ((num_segments,), torch.int32),
@@ -161,15 +165,14 @@ class BatchInfo:
         self._plans: dict[type[BatchPlan], BatchPlan] = {}
         self._derived: dict[str, object] = {}
         self._lm_head_view: BatchInfo | None = None
-        self._adapters = allocating(f"lora_ranks ({self.num_slots} slots)", lambda: StagedTensors(
-            {"lora_ranks": ((self.num_slots,), torch.int32), "scalings": ((self.num_slots,), torch.float32)},
-            device, double_buffered=use_graph,
-        ))
-        self._publish_adapters(lora_ranks, scalings)
-        if use_graph:
+        self._lora_ranks, self._scalings = lora_ranks, scalings
+        if use_graph:  # adapters and batch are rewritten independently, each in place
+            self._adapters = allocating(f"lora_ranks ({self.num_slots} slots)", lambda: StagedTensors(
+                _adapter_fields(self.num_slots), device, double_buffered=True))
+            self._publish_adapters(lora_ranks, scalings)
             self._batch = allocating(f"max_tokens = {capacity}", lambda: StagedTensors(
                 _batch_fields(capacity, capacity), device, double_buffered=True))
-        self._publish_batch(requests)
+        self._publish_batch(requests)  # eager: batch and adapters in one buffer, one upload
 
     # ------------------------------------------------------------------ sizes
     @property
@@ -312,9 +315,11 @@ class BatchInfo:
     def _publish_batch(self, requests: _Requests) -> None:
         seg_lens, seg_slots = _merge_segments(requests)
         S, T = seg_lens.size, requests.num_tokens
-        if not self.use_graph:
-            self._batch = allocating(f"seq_lens ({T} tokens)",
-                                     lambda: StagedTensors(_batch_fields(S, T), self.device))
+        if not self.use_graph:  # built once per eager batch, with the adapters' fields
+            self._batch = self._adapters = allocating(f"seq_lens ({T} tokens)", lambda: StagedTensors(
+                {**_batch_fields(S, T), **_adapter_fields(self.num_slots)}, self.device))
+            self._adapters.host_arrays["lora_ranks"][:] = self._lora_ranks
+            self._adapters.host_arrays["scalings"][:] = self._scalings
         host = self._batch.host_arrays
         host["seg_lens"][:S] = seg_lens
         host["seg_lens"][S:] = 0
