@@ -6,10 +6,11 @@ side in interleaved rounds:
 
 * **eager build**: ``build_batch_info`` + ``TorchNativeBackend.prepare_batch``
   (the control plan);
-* **graph build**: the same for a graph-mode batch (its LM-head view and, on
-  CPU, both static plans included);
-* **graph refill**: ``BatchInfo.refill`` of that batch in place (the plans and
-  the view refilled with it): what a captured decode step pays;
+* **graph build**: the same for a graph-mode batch (its LM-head view and the
+  static plan of the kernel that runs included);
+* **graph refill**: ``BatchInfo.refill`` of that batch in place (the plans, the
+  view and, at decode shapes, one layer's rank/scaling tables refilled with it):
+  what a captured decode step pays;
 
 and, at decode shapes, the ratio of the refill to one LoRA layer's graph-safe
 shrink + expand (``h = out = 2048``, ``R = 16``) on the same batch.
