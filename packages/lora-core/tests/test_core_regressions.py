@@ -155,6 +155,12 @@ def test_rejected_set_adapters_changes_nothing():
             with pytest.raises(ValueError, match=match):
                 info.set_adapters(ranks, scalings)
             assert_same_state(before, snapshot(info))
+        # without a max_rank nothing but the int32 bound stops a huge rank before it is written
+        info = graph_info(use_graph=use_graph, max_tokens=4 if use_graph else None)
+        before = snapshot(info)
+        with pytest.raises(ValueError, match=r"lora_ranks\[0\] must be an int <= 2147483647"):
+            info.set_adapters([2**40, 1], [1.0, 1.0])
+        assert_same_state(before, snapshot(info))
 
 
 @pytest.mark.parametrize("scaling", [1e39, -1e39, np.float64(4e38), float("inf"), float("nan")])
