@@ -271,3 +271,13 @@ def test_malformed_pattern_keys_are_format_errors(tmp_path):
                       rank_pattern={"(": 2})
     with pytest.raises(AdapterFormatError, match=r"rank_pattern key '\(' is not a valid pattern"):
         load_peft_adapter(tmp_path)
+
+
+def test_a_null_use_rslora_is_peft_default_false(tmp_path):
+    """Long-profile finding: ``"use_rslora": null`` loads as PEFT reads it (falsy: alpha / r)."""
+    g = torch.Generator().manual_seed(0)
+    save_peft_adapter(tmp_path, {"fc": (torch.randn(2, 3, generator=g), torch.randn(5, 2, generator=g))},
+                      r=2, lora_alpha=4, use_rslora=None)
+    adapter = load_peft_adapter(tmp_path)
+    assert adapter.use_rslora is False
+    assert adapter.modules["fc"].scaling == pytest.approx(4 / 2)

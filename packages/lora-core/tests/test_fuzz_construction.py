@@ -456,7 +456,8 @@ def test_load_peft_adapter_works_consistently_or_raises_a_format_error(tmp_path_
         raise AssertionError(f"load_peft_adapter raised {type(err).__name__}: {err}") from err
     event("loaded" + (" despite faults" if faults else ""))
     rslora = config.get("use_rslora", False)
-    assert isinstance(rslora, bool)
+    assert rslora is None or isinstance(rslora, bool)  # JSON null is PEFT's default, False
+    rslora = bool(rslora)
     for name, module in adapter.modules.items():
         assert name and module.lora_a.dim() == module.lora_b.dim() == 2
         assert module.lora_a.shape[0] == module.lora_b.shape[1] == module.rank > 0
