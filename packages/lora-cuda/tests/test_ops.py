@@ -86,6 +86,33 @@ def test_decode_batch_of_single_token_requests(device):
     _check_linear(device, pair, a, b, offsets, x, base, torch.float32)
 
 
+@pytest.mark.parametrize("graph_kernel", ["auto", "blocked"])
+@pytest.mark.parametrize("seq_lens", [[1] * 48, [12] * 4], ids=["decode", "prefill"])
+def test_garbage_beyond_a_rank_that_overflows_fp16_never_reaches_the_result(device, seq_lens, graph_kernel):
+    # the block and grouped kernels compute every row of A, garbage included, and clear what lies beyond
+    # a rank afterwards: 64 * 6e4 overflows fp16 to inf there, and inf * 0 is NaN, so clearing must mask
+    ranks = [8, 16, 0, 4, 16, 1, 2, 16]
+    T = sum(seq_lens)
+    slots = [None if i % 7 == 3 else (5 * i) % 8 for i in range(len(seq_lens))]
+    pair = BatchPair(ranks, (seq_lens, slots), (seq_lens, slots[::-1]))
+    gen = torch.Generator().manual_seed(5)
+    a, b, offsets = random_linear_weights(gen, num_slots=8, max_rank=16, in_features=64, slice_widths=[40, 24],
+                                          lora_ranks=ranks, dtype=torch.float16, device=device.torch_device,
+                                          garbage=6.0e4)
+    x = torch.ones(T, 64, dtype=torch.float16, device=device.torch_device)
+    base = torch.zeros(T, 64, dtype=torch.float16, device=device.torch_device)
+
+    def layer(info, x, base):
+        shrunk = sgemm_lora_a_fwd(x, a, info, 2, graph_kernel=graph_kernel)
+        return shrunk, sgemm_lora_b_fwd(shrunk, b, info, offsets, base.clone(), graph_kernel=graph_kernel)
+
+    for (shrunk, out), ref in zip(pair.run(device, layer, x, base), pair.reference_infos()):
+        expected_shrink = reference_lora_a(x, a, ref, 2)
+        assert_close_to_reference(shrunk, expected_shrink, torch.float16)
+        assert_close_to_reference(out, base.float().cpu() + reference_lora_b(expected_shrink, b, ref, offsets),
+                                  torch.float16)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("seed", range(3))
 def test_embedding_matches_reference_with_oov_and_added_tokens(device, seed, dtype):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 from typing import Iterator
 
@@ -23,6 +24,8 @@ def is_capturing() -> bool:
         return True
     if torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing():
         return True
+    if "torch_npu" not in sys.modules:  # torch.npu exists only once torch_npu is imported
+        return False
     npu = getattr(torch, "npu", None)
     probe = getattr(npu, "is_current_stream_capturing", None)
     if probe is not None and getattr(npu, "is_initialized", lambda: False)():

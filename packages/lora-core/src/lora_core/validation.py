@@ -151,6 +151,10 @@ def _check_ranks(batch_info: BatchInfo, max_rank: int) -> None:
 
 def normalize_slice_offsets(slice_offsets: Sequence[int] | torch.Tensor) -> tuple[int, ...]:
     """Slice offsets as a tuple of Python ints ``(0, o1, ..., out_total)``, validated."""
+    if type(slice_offsets) is tuple and all(type(v) is int for v in slice_offsets):  # every layer call: no ABCs
+        if len(slice_offsets) > 1 and slice_offsets[0] == 0 and all(
+                a < b for a, b in zip(slice_offsets, slice_offsets[1:])):
+            return slice_offsets  # what the general path below returns for it; anything else is checked there
     if isinstance(slice_offsets, torch.Tensor):
         if slice_offsets.device.type != "cpu" or slice_offsets.dtype.is_floating_point or slice_offsets.dim() != 1:
             raise ValueError(

@@ -11,7 +11,7 @@ their slots' weights and run one batched GEMM. Two layouts use these kernels:
 
 A layout provides ``num_blocks``, ``block_size``, ``block_tokens (NB*b,)`` int64,
 ``token_rows (T,)`` int64 (each row's position in the blocks; for a row in no
-block, the position of a padding row, which the mask zeroes), ``column_tables(R, c)`` (``(NB, b, c*R)`` scales and mask, see
+block, the position of a padding row, which the mask zeroes), ``column_tables(R, c)`` (``(NB, b, c*R)`` scales and outside-rank mask, see
 :class:`~lora_cuda.kernel_tables.KernelTables`), ``workspace(...)`` and
 ``block_weights(weights)``: the ``(NB, ...)`` weights of each block's slot.
 Inputs are validated by the dispatcher in :mod:`lora_cuda.ops`.
@@ -44,18 +44,24 @@ def block_shrink(x: torch.Tensor, weights: torch.Tensor, blocks: BlockLayout, nu
     ``out[t, i*R + k] = scaling[s] * x[t] @ weights[s, i*R + k]`` for ``k < rank[s]``, ``s``
     the slot of ``t``'s block, else 0 (rows in no block included).
 
-    Each row's result is gathered from the blocks (``token_rows``), not scattered into
-    zeros: every row has at most one block row, and a gather is deterministic and, on
-    CPU, several microseconds cheaper than ``index_add_`` at decode sizes."""
+    The gathered rows and the block results live in the layout's workspaces, scaled and
+    masked in place: a call allocates only its output. Each row's result is gathered
+    from the blocks (``token_rows``), not scattered into zeros: every row has at most one
+    block row, and a gather is deterministic and, on CPU, several microseconds cheaper
+    than ``index_add_`` at decode sizes."""
     T, in_features = x.shape
     cR = weights.shape[1]
     nb, b = blocks.num_blocks, blocks.block_size
-    scales, mask = blocks.column_tables(cR // num_slices, num_slices)
+    scales, outside = blocks.column_tables(cR // num_slices, num_slices)
     xb = torch.index_select(x, 0, blocks.block_tokens,
                             out=blocks.workspace("rows", (nb * b, in_features), x.dtype, x.device))
-    yb = torch.bmm(xb.view(nb, b, in_features), blocks.block_weights(weights).transpose(1, 2))  # (NB, b, c*R)
-    shrunk = torch.where(mask, yb * scales, 0).to(x.dtype).view(nb * b, cR)  # padding rows are 0
-    return shrunk.index_select(0, blocks.token_rows[:T])  # a graph-mode x may stop at the real tokens
+    yb = torch.bmm(xb.view(nb, b, in_features), blocks.block_weights(weights).transpose(1, 2),
+                   out=blocks.workspace("shrunk", (nb, b, cR), x.dtype, x.device))
+    yb.mul_(scales).masked_fill_(outside, 0)  # padding rows are 0; so is inf*0 = NaN beyond a rank
+    rows = blocks.token_rows
+    if T < rows.shape[0]:  # a graph-mode x may stop at the real tokens
+        rows = rows[:T]
+    return yb.view(nb * b, cR).index_select(0, rows)
 
 
 def block_expand(
@@ -63,19 +69,21 @@ def block_expand(
 ) -> torch.Tensor:
     """Expand into ``out`` in place. ``x: (T, c*R)``, ``weights: (L, out_total, R)``,
     ``out: (T, out_total)``: ``out[t, o_i:o_i+1] += x[t, i*R : i*R + rank[s]] @ weights[s, o_i:o_i+1, :rank[s]].T``
-    for each slice ``i``, ``s`` the slot of ``t``'s block; columns beyond the rank are never read."""
+    for each slice ``i``, ``s`` the slot of ``t``'s block; the columns of ``x`` beyond the rank
+    are zeroed in the gathered rows before the GEMM. Gathered rows and the delta live in the
+    layout's workspaces."""
     cR = x.shape[1]
-    R, num_slices = weights.shape[2], len(slice_offsets) - 1
+    R, num_slices, out_total = weights.shape[2], len(slice_offsets) - 1, slice_offsets[-1]
     nb, b = blocks.num_blocks, blocks.block_size
-    _, mask = blocks.column_tables(R, num_slices)
-    yb = torch.where(mask, x.index_select(0, blocks.block_tokens).view(nb, b, cR), 0)
+    _, outside = blocks.column_tables(R, num_slices)
+    low_rank = blocks.workspace("low_rank_rows", (nb * b, cR), x.dtype, x.device)
+    yb = torch.index_select(x, 0, blocks.block_tokens, out=low_rank).view(nb, b, cR).masked_fill_(outside, 0)
     wb = blocks.block_weights(weights)  # (NB, out_total, R)
-    if num_slices == 1:
-        delta = torch.bmm(yb, wb.transpose(1, 2))
+    delta = blocks.workspace("delta", (nb, b, out_total), out.dtype, out.device)
+    if num_slices == 1:  # the common case, without the slicing below
+        torch.bmm(yb, wb.transpose(1, 2), out=delta)
     else:
-        delta = torch.cat(
-            [torch.bmm(yb[:, :, i * R : (i + 1) * R], wb[:, slice_offsets[i] : slice_offsets[i + 1]].transpose(1, 2))
-             for i in range(num_slices)],
-            dim=2,
-        )
-    return out.index_add_(0, blocks.block_tokens, delta.view(nb * b, slice_offsets[-1]))
+        for i in range(num_slices):  # each slice's columns of the delta, written in place
+            lo, hi = slice_offsets[i], slice_offsets[i + 1]
+            torch.bmm(yb[:, :, i * R : (i + 1) * R], wb[:, lo:hi].transpose(1, 2), out=delta[:, :, lo:hi])
+    return out.index_add_(0, blocks.block_tokens, delta.view(nb * b, out_total))

@@ -124,11 +124,12 @@ def sgemm_lora_a_graph_fwd(
     if graph_kernel(batch_info, T, weights, in_features, cR, preference=kernel) == "grouped":
         plan = batch_info.plan(SortedPlan)
         order = plan.sorted_tokens
-        scales, mask = plan.column_tables(R, num_slices)
+        scales, outside = plan.column_tables(R, num_slices)
         xs = torch.index_select(x, 0, order, out=plan.workspace("rows", (T, in_features), x.dtype, x.device))
         ys = torch._grouped_mm(xs, weights.transpose(1, 2), offs=plan.group_ends)
+        ys.mul_(scales).masked_fill_(outside, 0)  # inf*0 beyond a rank is NaN: masked, not multiplied, away
         # every row is in the order once: gather each row's result back (no scatter into zeros)
-        return torch.where(mask, ys * scales, 0).to(x.dtype).index_select(0, plan.token_rows)
+        return ys.index_select(0, plan.token_rows)
     return block_shrink(x, weights, batch_info.plan(BlockPlan), num_slices)
 
 
@@ -160,9 +161,9 @@ def sgemm_lora_b_graph_fwd(
     if graph_kernel(batch_info, T, weights, *strides, preference=kernel) == "grouped":
         plan = batch_info.plan(SortedPlan)
         order = plan.sorted_tokens
-        _, mask = plan.column_tables(R, num_slices)
+        _, outside = plan.column_tables(R, num_slices)
         # rows without an adapter (rank 0) are zeroed here, so the last group's GEMM gives them 0
-        ys = torch.where(mask, x.index_select(0, order), 0)
+        ys = x.index_select(0, order).masked_fill_(outside, 0)
         parts = [
             torch._grouped_mm(ys[:, i * R : (i + 1) * R].contiguous(),
                               weights[:, slice_offsets[i] : slice_offsets[i + 1]].transpose(1, 2),

@@ -19,7 +19,10 @@ class KernelTables:
 
     * column tables, per ``(R, c)``: for every planned row and every one of the
       ``c*R`` columns, the row's slot scaling where the column is within the slot's
-      rank (else 0), and that mask as bool. Recomputed on the device after each
+      rank (else 0), and as bool whether the column lies *outside* it (beyond the
+      rank, or a padding row), the cells a kernel must zero with ``masked_fill_``:
+      whatever was computed there from garbage beyond a rank may be inf or NaN, so
+      a multiplication by 0 would not clear it. Recomputed on the device after each
       refill, so a kernel reads one table instead of rebuilding the mask per call;
     * workspaces, per ``(shape, dtype)``: preallocated buffers for gathered
       operands, so a call neither allocates nor page-faults them afresh.
@@ -46,7 +49,9 @@ class KernelTables:
         raise NotImplementedError
 
     def column_tables(self, max_rank: int, num_slices: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(scales, mask)`` of shape ``P x c*R`` (float32, bool) for this plan's rows."""
+        """``(scales, outside)`` of shape ``P x c*R`` (float32, bool) for this plan's rows:
+        ``scales`` is the row's scaling inside its rank and 0 elsewhere, ``outside`` is true
+        exactly where ``scales`` is forced to 0."""
         key = (max_rank, num_slices)
         tables = self._tables.get(key)
         if tables is None:
@@ -86,8 +91,9 @@ class KernelTables:
             operands = self._operands[key] = (cols, ranks[..., None], scalings[..., None],
                                               None if valid is None else valid[..., None])
         cols, ranks, scalings, valid = operands
-        scales, mask = tables
-        torch.lt(cols, ranks, out=mask)
+        scales, outside = tables
+        torch.lt(cols, ranks, out=outside)  # inside for now: four ops, no temporaries
         if valid is not None:
-            mask &= valid
-        torch.mul(mask, scalings, out=scales)
+            outside &= valid
+        torch.mul(outside, scalings, out=scales)
+        outside.logical_not_()
