@@ -3,7 +3,9 @@
 import numpy as np
 import torch
 
-from lora_core.staging import StagedTensors
+import pytest
+
+from lora_core.staging import StagedTensors, publish_arrays
 
 FIELDS = {"ids": ((5,), torch.int64), "ranks": ((3,), torch.int32), "scales": ((3,), torch.float32),
           "valid": ((2, 3), torch.bool), "empty": ((0,), torch.int32)}
@@ -43,3 +45,22 @@ def test_double_buffering_keeps_the_published_mirror_while_the_next_batch_is_wri
     staged.host_arrays["ids"][:] = 99  # the next batch, not uploaded yet
     assert published["ids"].tolist() == _expected(1)["ids"]
     assert staged.device["ids"].tolist() == _expected(1)["ids"]
+
+
+def test_publish_arrays_gives_device_tensors_with_the_arrays_values_dtypes_and_shapes(device):
+    arrays = {"ids": np.arange(5, dtype=np.int64), "ranks": np.array([4, 0, 16], dtype=np.int32),
+              "scales": np.array([0.5, 1.0, 2.0], dtype=np.float32),
+              "valid": np.array([[True, False, True], [False, True, True]]), "empty": np.zeros(0, dtype=np.int32)}
+    published = publish_arrays(arrays, device.torch_device)
+    assert list(published) == list(arrays)
+    for name, array in arrays.items():
+        t = published[name]
+        assert t.device.type == device.torch_device.type
+        assert t.dtype == {np.int64: torch.int64, np.int32: torch.int32, np.float32: torch.float32,
+                           np.bool_: torch.bool}[array.dtype.type]
+        assert tuple(t.shape) == array.shape and t.cpu().tolist() == array.tolist()
+
+
+def test_publish_arrays_rejects_a_dtype_no_field_has():
+    with pytest.raises(TypeError, match="float64"):
+        publish_arrays({"x": np.zeros(3)}, torch.device("cpu"))

@@ -7,6 +7,10 @@ host-to-device copy, whatever their number and dtypes. The device buffer is
 allocated once: its views keep their identity and addresses, which is what lets
 a captured graph replay on refilled data (docs/graph-rules.md).
 
+:func:`publish_arrays` does the same for host data computed once (an eager
+batch's plan): NumPy arrays reach the device in one copy, or, on the CPU, are
+wrapped as they are.
+
 With ``double_buffered=True`` (graph-mode batches, which are refilled every
 step) the host side alternates between two staging buffers: the host mirrors of
 the previous batch stay intact while the next one is written, and on CUDA the
@@ -22,7 +26,7 @@ from typing import Mapping
 import numpy as np
 import torch
 
-__all__ = ["StagedTensors"]
+__all__ = ["StagedTensors", "publish_arrays"]
 
 _ALIGN = 16  # bytes: every field starts on a 16-byte boundary (dtype views, grouped-GEMM offsets)
 
@@ -125,3 +129,25 @@ class StagedTensors:
             self._events[self._next] = event
         self.published = self._host_views[self._next]
         self._next = (self._next + 1) % len(self._buffers)
+
+
+def publish_arrays(arrays: Mapping[str, np.ndarray], device: torch.device) -> dict[str, torch.Tensor]:
+    """``name -> array`` as tensors on ``device`` (same shapes and dtypes, which must be among
+    the field dtypes: int64, int32, float32, bool), for data published once.
+
+    On the CPU the tensors share the arrays' memory (no copy, no staging buffer: the
+    caller hands the arrays over and must not write them afterwards); elsewhere the
+    arrays are packed into one :class:`StagedTensors` buffer and reach the device in
+    one copy."""
+    dtypes = {np.dtype(numpy_dtype): torch_dtype for torch_dtype, numpy_dtype in _NUMPY_DTYPES.items()}
+    for name, array in arrays.items():
+        if array.dtype not in dtypes:
+            raise TypeError(f"{name} has dtype {array.dtype}; publish_arrays takes {', '.join(map(str, dtypes))}")
+    if device.type == "cpu":
+        return {name: torch.from_numpy(np.ascontiguousarray(array)) for name, array in arrays.items()}
+    staged = StagedTensors({name: (array.shape, dtypes[array.dtype]) for name, array in arrays.items()}, device)
+    host = staged.host_arrays
+    for name, array in arrays.items():
+        host[name][...] = array
+    staged.upload()
+    return staged.device

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from lora_core import BatchInfo, BatchPlan
-from lora_core.staging import StagedTensors
+from lora_core.staging import publish_arrays
 
 from .kernel_tables import KernelTables
 
@@ -78,28 +78,22 @@ class SlotBlocks(KernelTables):
         self.num_blocks, self.block_size = nb, b
         lo = int(slots[0])
         self.slot_range = (lo, lo + nb) if int(slots[-1]) == lo + nb - 1 else None
-        staged = StagedTensors(
-            {"block_tokens": ((nb * b,), torch.int64), "block_valid": ((nb, b), torch.bool),
-             "block_slots": ((nb,), torch.int64), "block_ranks": ((nb,), torch.int32),
-             "block_scalings": ((nb,), torch.float32), "token_rows": ((batch_info.num_tokens,), torch.int64)},
-            batch_info.device,
-        )
-        host = staged.host_arrays
         row = np.arange(b)
         valid = row[None, :] < counts[:, None]
         position = np.minimum((np.cumsum(counts) - counts)[:, None] + row, perm.size - 1)
-        host["block_valid"][:] = valid
-        host["block_tokens"].reshape(nb, b)[:] = np.where(valid, perm[position], 0)
-        token_rows = host["token_rows"]
-        if perm.size < token_rows.size:
-            token_rows.fill(int(np.argmin(valid)))  # the first padding row
+        # tokens without an adapter read the first padding row (there is one when they exist)
+        token_rows = np.full(batch_info.num_tokens, np.argmin(valid) if perm.size < batch_info.num_tokens else 0,
+                             dtype=np.int64)
         token_rows[perm] = np.flatnonzero(valid)  # the valid rows hold perm in order
-        host["block_slots"][:] = slots
-        host["block_ranks"][:] = batch_info.lora_ranks_cpu.numpy()[slots]
-        host["block_scalings"][:] = batch_info.scalings_cpu.numpy()[slots]
-        staged.upload()
+        published = publish_arrays(  # one upload (none on the CPU): this layout lives for one batch
+            {"block_tokens": np.where(valid, perm[position], 0).reshape(-1), "block_valid": valid,
+             "block_slots": slots.astype(np.int64, copy=False),
+             "block_ranks": batch_info.lora_ranks_cpu.numpy()[slots],
+             "block_scalings": batch_info.scalings_cpu.numpy()[slots], "token_rows": token_rows},
+            batch_info.device,
+        )
         (self.block_tokens, self.block_valid, self.block_slots, self.block_ranks, self.block_scalings,
-         self.token_rows) = staged.device.values()
+         self.token_rows) = published.values()
 
     def _row_ranks_and_scalings(self):
         nb, b = self.num_blocks, self.block_size
