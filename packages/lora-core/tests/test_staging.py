@@ -1,9 +1,8 @@
 """StagedTensors: named fields of several dtypes published to the device in one copy."""
 
 import numpy as np
-import torch
-
 import pytest
+import torch
 
 from lora_core.staging import StagedTensors, publish_arrays
 

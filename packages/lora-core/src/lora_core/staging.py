@@ -35,6 +35,8 @@ FieldSpecs = Mapping[str, tuple[tuple[int, ...], torch.dtype]]
 _NUMPY_DTYPES = {torch.int64: np.int64, torch.int32: np.int32, torch.float32: np.float32, torch.bool: np.bool_}
 """The field dtypes batch descriptions and plans use."""
 
+_TORCH_DTYPES = {np.dtype(numpy_dtype): torch_dtype for torch_dtype, numpy_dtype in _NUMPY_DTYPES.items()}
+
 
 def _layout(fields: FieldSpecs) -> tuple[dict[str, tuple[int, tuple[int, ...], torch.dtype]], int]:
     offsets, nbytes = {}, 0
@@ -139,13 +141,14 @@ def publish_arrays(arrays: Mapping[str, np.ndarray], device: torch.device) -> di
     caller hands the arrays over and must not write them afterwards); elsewhere the
     arrays are packed into one :class:`StagedTensors` buffer and reach the device in
     one copy."""
-    dtypes = {np.dtype(numpy_dtype): torch_dtype for torch_dtype, numpy_dtype in _NUMPY_DTYPES.items()}
     for name, array in arrays.items():
-        if array.dtype not in dtypes:
-            raise TypeError(f"{name} has dtype {array.dtype}; publish_arrays takes {', '.join(map(str, dtypes))}")
+        if array.dtype not in _TORCH_DTYPES:
+            raise TypeError(f"{name} has dtype {array.dtype}; publish_arrays takes "
+                            f"{', '.join(map(str, _TORCH_DTYPES))}")
     if device.type == "cpu":
         return {name: torch.from_numpy(np.ascontiguousarray(array)) for name, array in arrays.items()}
-    staged = StagedTensors({name: (array.shape, dtypes[array.dtype]) for name, array in arrays.items()}, device)
+    fields = {name: (array.shape, _TORCH_DTYPES[array.dtype]) for name, array in arrays.items()}
+    staged = StagedTensors(fields, device)
     host = staged.host_arrays
     for name, array in arrays.items():
         host[name][...] = array
