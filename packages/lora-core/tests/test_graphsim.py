@@ -1,5 +1,7 @@
 """The CPU graph simulator: every rule, the seed bug reproduced, replay semantics."""
 
+import threading
+
 import pytest
 import torch
 
@@ -178,6 +180,19 @@ def test_is_capturing_is_true_only_inside_a_capture():
     sim = GraphSimulator()
     sim.capture(lambda t: (seen.append(is_capturing()), t + 1)[1], torch.ones(1))
     assert seen == [True] and not is_capturing()
+
+
+def test_a_capture_is_seen_by_its_own_thread_only_and_nests():
+    from lora_core.graphs import simulated_capture
+
+    seen = []
+    with simulated_capture():
+        with simulated_capture():
+            worker = threading.Thread(target=lambda: seen.append(is_capturing()))
+            worker.start()
+            worker.join()
+        assert is_capturing()  # the outer capture is still open
+    assert seen == [False] and not is_capturing()
 
 
 def test_replay_before_capture_and_double_capture_are_errors():

@@ -25,6 +25,11 @@ B = torch.randn(2, 10, 4)
         (lambda: sgemm_lora_a_fwd(X.to("meta"), A.to("meta"), INFO), "the batch info lives on cpu but x is on meta"),
         (lambda: sgemm_lora_b_fwd(torch.randn(5, 8), B, INFO, [0, 6, 9]), "slice_offsets end at 9 but weights have 10"),
         (lambda: sgemm_lora_b_fwd(torch.randn(5, 8), B, INFO, [0, 6, 6, 10]), "increasing ints starting at 0"),
+        # tuples take the fast path of normalize_slice_offsets: it must reject what the general path rejects
+        (lambda: sgemm_lora_b_fwd(torch.randn(5, 8), B, INFO, (0, 6, 6, 10)), "increasing ints starting at 0"),
+        (lambda: sgemm_lora_b_fwd(torch.randn(5, 8), B, INFO, (0, True, 10)), "increasing ints starting at 0"),
+        (lambda: sgemm_lora_b_fwd(torch.randn(5, 8), B, INFO, (0, 6.0, 10)), "increasing ints starting at 0"),
+        (lambda: sgemm_lora_b_fwd(torch.randn(5, 8), B, INFO, (1, 6, 10)), "increasing ints starting at 0"),
         (lambda: sgemm_lora_b_fwd(torch.randn(5, 4), B, INFO, [0, 6, 10]), r"x must have 2 x R = 8 columns"),
         (lambda: sgemm_lora_b_fwd(torch.randn(5, 8), B, INFO, [0, 6, 10], torch.randn(5, 9)),
          r"base_output must have shape \(5, 10\)"),

@@ -37,11 +37,17 @@ grouped-GEMM kernels reject it, so no path accepts it)."""
 
 def is_int(value: object) -> bool:
     """True for Python and NumPy integers, False for bools (``True`` is not a length)."""
+    if type(value) is int:  # the common case, without the ABC check below
+        return True
     return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
 
 
 def check_int(name: str, value: object, *, minimum: int | None = None, maximum: int | None = None) -> int:
-    """``value`` as a Python int, or ``ValueError`` naming ``name`` and the bound it breaks."""
+    """``value`` as a Python int, or ``ValueError`` naming ``name`` and the bound it breaks.
+
+    Ops call this on every call: an in-range Python int returns before any message is built."""
+    if type(value) is int and (minimum is None or value >= minimum) and (maximum is None or value <= maximum):
+        return value
     lower = "a positive int" if minimum == 1 else f"an int >= {minimum}" if minimum is not None else "an int"
     if not is_int(value):
         raise ValueError(f"{name} must be {lower}, got {value!r}")

@@ -11,7 +11,11 @@ import torch
 
 __all__ = ["is_capturing", "simulated_capture"]
 
-_state = threading.local()
+class _CaptureState(threading.local):
+    depth = 0  # a class default: reading it never raises (a missing attribute would, on every call)
+
+
+_state = _CaptureState()
 
 
 def is_capturing() -> bool:
@@ -20,7 +24,7 @@ def is_capturing() -> bool:
     Unlike ``torch.cuda.is_current_stream_capturing`` this never raises on builds
     without CUDA and never initialises a device.
     """
-    if getattr(_state, "depth", 0):
+    if _state.depth:
         return True
     if torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing():
         return True
@@ -36,7 +40,7 @@ def is_capturing() -> bool:
 @contextlib.contextmanager
 def simulated_capture() -> Iterator[None]:
     """Marks a simulated capture (used by :class:`lora_core.testing.GraphSimulator`)."""
-    _state.depth = getattr(_state, "depth", 0) + 1
+    _state.depth += 1
     try:
         yield
     finally:

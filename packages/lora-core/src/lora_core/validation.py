@@ -16,6 +16,7 @@ every eager call, still checks them.
 
 from __future__ import annotations
 
+import operator
 from typing import Sequence
 
 import torch
@@ -39,9 +40,7 @@ __all__ = [
 
 def tracing_for_compile() -> bool:
     """True while ``torch.compile`` (dynamo) traces the calling code."""
-    compiler = getattr(torch, "compiler", None)
-    probe = getattr(compiler, "is_compiling", None)
-    return bool(probe()) if probe is not None else False
+    return torch.compiler.is_compiling()
 
 
 def check_token_ids(ids: torch.Tensor, num_valid: int, *, max_report: int = 8) -> None:
@@ -79,11 +78,13 @@ def _check_integer_ids(ids: torch.Tensor) -> None:
         raise ValueError(f"ids must be {kind} (int32 or int64), got {ids.dtype}")
 
 
-def _check_same(name: str, t: torch.Tensor, ref_name: str, ref: torch.Tensor) -> None:
-    if t.device != ref.device:
-        raise ValueError(f"{name} is on {t.device} but {ref_name} is on {ref.device}")
-    if t.dtype != ref.dtype:
-        raise ValueError(f"{name} has dtype {t.dtype} but {ref_name} has {ref.dtype}")
+def _check_same(name: str, t: torch.Tensor, ref_name: str, dtype: torch.dtype, device: torch.device) -> None:
+    """``t`` has ``ref_name``'s ``dtype`` and ``device`` (read once by the caller: each read
+    builds a Python object, and the ops check every call)."""
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device} but {ref_name} is on {device}")
+    if t.dtype != dtype:
+        raise ValueError(f"{name} has dtype {t.dtype} but {ref_name} has {dtype}")
 
 
 def check_num_tokens(batch_info: BatchInfo, num_rows: int, name: str = "x") -> None:
@@ -110,9 +111,9 @@ def check_num_tokens(batch_info: BatchInfo, num_rows: int, name: str = "x") -> N
         )
 
 
-def _check_batch_device(batch_info: BatchInfo, t: torch.Tensor, name: str) -> None:
-    if batch_info.device != t.device:
-        raise ValueError(f"the batch info lives on {batch_info.device} but {name} is on {t.device}")
+def _check_batch_device(batch_info: BatchInfo, device: torch.device, name: str) -> None:
+    if batch_info.device != device:
+        raise ValueError(f"the batch info lives on {batch_info.device} but {name} is on {device}")
 
 
 def _check_slots(batch_info: BatchInfo, weights: torch.Tensor, name: str) -> None:
@@ -126,35 +127,40 @@ def check_lora_a_inputs(x: torch.Tensor, weights: torch.Tensor, batch_info: Batc
     """``x (T, in)``, ``weights (L, c*R, in)``; returns ``R``."""
     _check_tensor("x", x, 2)
     _check_tensor("weights", weights, 3)
-    check_float_dtype("x", x.dtype)
-    _check_same("weights", weights, "x", x)
-    _check_batch_device(batch_info, x, "x")
+    dtype, device = x.dtype, x.device
+    check_float_dtype("x", dtype)
+    _check_same("weights", weights, "x", dtype, device)
+    _check_batch_device(batch_info, device, "x")
     _check_slots(batch_info, weights, "weights")
     num_slices = check_int("num_slices", num_slices, minimum=1)
-    if weights.shape[1] % num_slices:
-        raise ValueError(f"weights dim 1 ({weights.shape[1]}) is not num_slices ({num_slices}) times a rank")
-    if weights.shape[2] != x.shape[1]:
-        raise ValueError(f"weights must have shape (L, c*R, {x.shape[1]}) for x {_describe(x)}, got {_describe(weights)}")
-    R = weights.shape[1] // num_slices
+    (num_rows, in_features), (_, cR, w_in) = x.shape, weights.shape
+    if cR % num_slices:
+        raise ValueError(f"weights dim 1 ({cR}) is not num_slices ({num_slices}) times a rank")
+    if w_in != in_features:
+        raise ValueError(f"weights must have shape (L, c*R, {in_features}) for x {_describe(x)}, got {_describe(weights)}")
+    R = cR // num_slices
     _check_ranks(batch_info, R)
-    check_num_tokens(batch_info, x.shape[0])
+    check_num_tokens(batch_info, num_rows)
     return R
 
 
 def _check_ranks(batch_info: BatchInfo, max_rank: int) -> None:
-    if tracing_for_compile():  # ranks change with set_adapters: checked by eager calls, never a guard
-        return
-    for slot, r in enumerate(batch_info.lora_ranks_host):
-        if r > max_rank:
-            raise ValueError(f"slot {slot} has rank {r} but the weights hold at most R = {max_rank}")
+    ranks = batch_info.lora_ranks_host
+    if max(ranks, default=0) <= max_rank or tracing_for_compile():  # ranks change with set_adapters:
+        return  # checked by eager calls, never a guard of compiled code
+    slot = next(s for s, r in enumerate(ranks) if r > max_rank)
+    raise ValueError(f"slot {slot} has rank {ranks[slot]} but the weights hold at most R = {max_rank}")
+
+
+_JUST_INT = {int}
 
 
 def normalize_slice_offsets(slice_offsets: Sequence[int] | torch.Tensor) -> tuple[int, ...]:
     """Slice offsets as a tuple of Python ints ``(0, o1, ..., out_total)``, validated."""
-    if type(slice_offsets) is tuple and all(type(v) is int for v in slice_offsets):  # every layer call: no ABCs
-        if len(slice_offsets) > 1 and slice_offsets[0] == 0 and all(
-                a < b for a, b in zip(slice_offsets, slice_offsets[1:])):
-            return slice_offsets  # what the general path below returns for it; anything else is checked there
+    if (type(slice_offsets) is tuple and len(slice_offsets) > 1 and slice_offsets[0] == 0  # every layer call:
+            and set(map(type, slice_offsets)) == _JUST_INT  # C-level loops only, no generator frames
+            and all(map(operator.lt, slice_offsets, slice_offsets[1:]))):
+        return slice_offsets  # what the general path below returns for it; anything else is checked there
     if isinstance(slice_offsets, torch.Tensor):
         if slice_offsets.device.type != "cpu" or slice_offsets.dtype.is_floating_point or slice_offsets.dim() != 1:
             raise ValueError(
@@ -188,27 +194,28 @@ def check_lora_b_inputs(
     offsets = normalize_slice_offsets(slice_offsets)
     _check_tensor("x", x, 2)
     _check_tensor("weights", weights, 3)
-    check_float_dtype("x", x.dtype)
-    _check_same("weights", weights, "x", x)
-    _check_batch_device(batch_info, x, "x")
+    dtype, device = x.dtype, x.device
+    check_float_dtype("x", dtype)
+    _check_same("weights", weights, "x", dtype, device)
+    _check_batch_device(batch_info, device, "x")
     _check_slots(batch_info, weights, "weights")
-    num_slices = len(offsets) - 1
-    if offsets[-1] != weights.shape[1]:
+    num_slices, out_total = len(offsets) - 1, offsets[-1]
+    (num_rows, cR), (_, w_out, R) = x.shape, weights.shape
+    if out_total != w_out:
         raise ValueError(
-            f"slice_offsets end at {offsets[-1]} but weights have {weights.shape[1]} output rows: {_describe(weights)}"
+            f"slice_offsets end at {out_total} but weights have {w_out} output rows: {_describe(weights)}"
         )
-    if x.shape[1] != num_slices * weights.shape[2]:
+    if cR != num_slices * R:
         raise ValueError(
-            f"x must have {num_slices} x R = {num_slices * weights.shape[2]} columns for {num_slices} slice(s), "
-            f"got {_describe(x)}"
+            f"x must have {num_slices} x R = {num_slices * R} columns for {num_slices} slice(s), got {_describe(x)}"
         )
-    _check_ranks(batch_info, weights.shape[2])
-    check_num_tokens(batch_info, x.shape[0])
+    _check_ranks(batch_info, R)
+    check_num_tokens(batch_info, num_rows)
     if base_output is not None:
         _check_tensor("base_output", base_output, 2)
-        _check_same("base_output", base_output, "x", x)
-        if tuple(base_output.shape) != (x.shape[0], offsets[-1]):
-            raise ValueError(f"base_output must have shape {(x.shape[0], offsets[-1])}, got {_describe(base_output)}")
+        _check_same("base_output", base_output, "x", dtype, device)
+        if base_output.shape != (num_rows, out_total):
+            raise ValueError(f"base_output must have shape {(num_rows, out_total)}, got {_describe(base_output)}")
     return offsets
 
 
@@ -227,7 +234,7 @@ def check_embedding_inputs(
     check_float_dtype("weights", weights.dtype)
     if ids.device != weights.device:
         raise ValueError(f"ids is on {ids.device} but weights is on {weights.device}")
-    _check_batch_device(batch_info, ids, "ids")
+    _check_batch_device(batch_info, ids.device, "ids")
     _check_slots(batch_info, weights, "weights")
     vocab_size = check_int("vocab_size", vocab_size, minimum=1)
     added = 0
@@ -260,9 +267,9 @@ def check_added_token_inputs(
     _check_tensor("extra_embeddings", extra_embeddings, 3)
     _check_tensor("base_output", base_output, 2)
     check_float_dtype("base_output", base_output.dtype)
-    _check_same("extra_embeddings", extra_embeddings, "base_output", base_output)
-    _check_batch_device(batch_info, ids, "ids")
-    _check_batch_device(batch_info, base_output, "base_output")
+    _check_same("extra_embeddings", extra_embeddings, "base_output", base_output.dtype, base_output.device)
+    _check_batch_device(batch_info, ids.device, "ids")
+    _check_batch_device(batch_info, base_output.device, "base_output")
     _check_slots(batch_info, extra_embeddings, "extra_embeddings")
     check_int("vocab_size", vocab_size, minimum=1)
     if tuple(base_output.shape) != (ids.shape[0], extra_embeddings.shape[2]):

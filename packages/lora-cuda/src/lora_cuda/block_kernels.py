@@ -12,18 +12,21 @@ their slots' weights and run one batched GEMM. Two layouts use these kernels:
 A layout provides ``num_blocks``, ``block_size``, ``block_tokens (NB*b,)`` int64,
 ``token_rows (T,)`` int64 (each row's position in the blocks; for a row in no
 block, the position of a padding row, which the mask zeroes), ``column_tables(R, c)`` (``(NB, b, c*R)`` scales and outside-rank mask, see
-:class:`~lora_cuda.kernel_tables.KernelTables`), ``workspace(...)`` and
+:class:`~lora_cuda.kernel_tables.KernelTables`), ``workspace(...)``,
+``call_operands(key, make)`` (see :class:`~lora_cuda.kernel_tables.KernelTables`) and
 ``block_weights(weights)``: the ``(NB, ...)`` weights of each block's slot.
 Inputs are validated by the dispatcher in :mod:`lora_cuda.ops`.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Callable, Hashable, NamedTuple, Protocol, TypeVar
 
 import torch
 
 __all__ = ["BlockLayout", "block_shrink", "block_expand"]
+
+T = TypeVar("T")
 
 
 class BlockLayout(Protocol):
@@ -36,7 +39,48 @@ class BlockLayout(Protocol):
 
     def workspace(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor: ...
 
+    def call_operands(self, key: Hashable, make: Callable[[], T]) -> T: ...
+
     def block_weights(self, weights: torch.Tensor) -> torch.Tensor: ...
+
+
+class _ShrinkOperands(NamedTuple):
+    rows: torch.Tensor  # (NB*b, in) workspace: the gathered rows of x
+    blocks: torch.Tensor  # its (NB, b, in) view, the bmm's input
+    shrunk: torch.Tensor  # (NB, b, c*R) workspace: the bmm's output
+    shrunk_rows: torch.Tensor  # its (NB*b, c*R) view, gathered into the result
+    scales: torch.Tensor  # (NB, b, c*R) column tables
+    outside: torch.Tensor
+    token_rows: torch.Tensor  # (T,): each row of x's position in the blocks
+
+
+class _ExpandOperands(NamedTuple):
+    low_rank_rows: torch.Tensor  # (NB*b, c*R) workspace: the gathered rows of x
+    blocks: torch.Tensor  # its (NB, b, c*R) view, masked and the bmm's input
+    outside: torch.Tensor  # (NB, b, c*R) column table
+    delta: torch.Tensor  # (NB, b, out_total) workspace: the bmm's output
+    delta_rows: torch.Tensor  # its (NB*b, out_total) view, added into the result
+
+
+def _shrink_operands(blocks: BlockLayout, num_rows: int, in_features: int, max_rank: int, num_slices: int,
+                     dtype: torch.dtype, device: torch.device) -> _ShrinkOperands:
+    nb, b, cR = blocks.num_blocks, blocks.block_size, max_rank * num_slices
+    rows = blocks.workspace("rows", (nb * b, in_features), dtype, device)
+    shrunk = blocks.workspace("shrunk", (nb, b, cR), dtype, device)
+    token_rows = blocks.token_rows
+    if num_rows < token_rows.shape[0]:  # a graph-mode x may stop at the real tokens
+        token_rows = token_rows[:num_rows]
+    return _ShrinkOperands(rows, rows.view(nb, b, in_features), shrunk, shrunk.view(nb * b, cR),
+                           *blocks.column_tables(max_rank, num_slices), token_rows)
+
+
+def _expand_operands(blocks: BlockLayout, max_rank: int, num_slices: int, out_total: int,
+                     dtype: torch.dtype, device: torch.device) -> _ExpandOperands:
+    nb, b, cR = blocks.num_blocks, blocks.block_size, max_rank * num_slices
+    low_rank = blocks.workspace("low_rank_rows", (nb * b, cR), dtype, device)
+    delta = blocks.workspace("delta", (nb, b, out_total), dtype, device)
+    _, outside = blocks.column_tables(max_rank, num_slices)
+    return _ExpandOperands(low_rank, low_rank.view(nb, b, cR), outside, delta, delta.view(nb * b, out_total))
 
 
 def block_shrink(x: torch.Tensor, weights: torch.Tensor, blocks: BlockLayout, num_slices: int) -> torch.Tensor:
@@ -49,19 +93,15 @@ def block_shrink(x: torch.Tensor, weights: torch.Tensor, blocks: BlockLayout, nu
     from the blocks (``token_rows``), not scattered into zeros: every row has at most one
     block row, and a gather is deterministic and, on CPU, several microseconds cheaper
     than ``index_add_`` at decode sizes."""
-    T, in_features = x.shape
-    cR = weights.shape[1]
-    nb, b = blocks.num_blocks, blocks.block_size
-    scales, outside = blocks.column_tables(cR // num_slices, num_slices)
-    xb = torch.index_select(x, 0, blocks.block_tokens,
-                            out=blocks.workspace("rows", (nb * b, in_features), x.dtype, x.device))
-    yb = torch.bmm(xb.view(nb, b, in_features), blocks.block_weights(weights).transpose(1, 2),
-                   out=blocks.workspace("shrunk", (nb, b, cR), x.dtype, x.device))
-    yb.mul_(scales).masked_fill_(outside, 0)  # padding rows are 0; so is inf*0 = NaN beyond a rank
-    rows = blocks.token_rows
-    if T < rows.shape[0]:  # a graph-mode x may stop at the real tokens
-        rows = rows[:T]
-    return yb.view(nb * b, cR).index_select(0, rows)
+    x_shape, dtype = x.shape, x.dtype
+    _, cR, _ = w_shape = weights.shape
+    ops = blocks.call_operands(
+        ("shrink", x_shape, w_shape, num_slices, dtype),
+        lambda: _shrink_operands(blocks, x_shape[0], x_shape[1], cR // num_slices, num_slices, dtype, x.device))
+    torch.index_select(x, 0, blocks.block_tokens, out=ops.rows)
+    torch.bmm(ops.blocks, blocks.block_weights(weights).transpose(1, 2), out=ops.shrunk)
+    ops.shrunk.mul_(ops.scales).masked_fill_(ops.outside, 0)  # padding rows are 0; so is inf*0 = NaN beyond a rank
+    return ops.shrunk_rows.index_select(0, ops.token_rows)
 
 
 def block_expand(
@@ -72,18 +112,18 @@ def block_expand(
     for each slice ``i``, ``s`` the slot of ``t``'s block; the columns of ``x`` beyond the rank
     are zeroed in the gathered rows before the GEMM. Gathered rows and the delta live in the
     layout's workspaces."""
-    cR = x.shape[1]
-    R, num_slices, out_total = weights.shape[2], len(slice_offsets) - 1, slice_offsets[-1]
-    nb, b = blocks.num_blocks, blocks.block_size
-    _, outside = blocks.column_tables(R, num_slices)
-    low_rank = blocks.workspace("low_rank_rows", (nb * b, cR), x.dtype, x.device)
-    yb = torch.index_select(x, 0, blocks.block_tokens, out=low_rank).view(nb, b, cR).masked_fill_(outside, 0)
+    R, num_slices, dtype = weights.shape[2], len(slice_offsets) - 1, x.dtype
+    ops = blocks.call_operands(
+        ("expand", x.shape[1], weights.shape, slice_offsets, dtype),
+        lambda: _expand_operands(blocks, R, num_slices, slice_offsets[-1], dtype, x.device))
+    torch.index_select(x, 0, blocks.block_tokens, out=ops.low_rank_rows)
+    yb = ops.blocks.masked_fill_(ops.outside, 0)
     wb = blocks.block_weights(weights)  # (NB, out_total, R)
-    delta = blocks.workspace("delta", (nb, b, out_total), out.dtype, out.device)
     if num_slices == 1:  # the common case, without the slicing below
-        torch.bmm(yb, wb.transpose(1, 2), out=delta)
+        torch.bmm(yb, wb.transpose(1, 2), out=ops.delta)
     else:
+        delta = ops.delta
         for i in range(num_slices):  # each slice's columns of the delta, written in place
             lo, hi = slice_offsets[i], slice_offsets[i + 1]
             torch.bmm(yb[:, :, i * R : (i + 1) * R], wb[:, lo:hi].transpose(1, 2), out=delta[:, :, lo:hi])
-    return out.index_add_(0, blocks.block_tokens, delta.view(nb * b, out_total))
+    return out.index_add_(0, blocks.block_tokens, ops.delta_rows)

@@ -101,9 +101,11 @@ class SlotBlocks(KernelTables):
                 self.block_valid)
 
     def block_weights(self, weights: torch.Tensor) -> torch.Tensor:
-        """``weights (L, ...)`` of each block's slot, ``(NB, ...)``: a view when the slots are a range."""
+        """``weights (L, ...)`` of each block's slot, ``(NB, ...)``: ``weights`` itself when every
+        slot is in use, a view when the slots are a range, else gathered into a workspace."""
         if self.slot_range is not None:
-            return weights[self.slot_range[0] : self.slot_range[1]]
+            lo, hi = self.slot_range
+            return weights if lo == 0 and hi == weights.shape[0] else weights[lo:hi]
         out = self.workspace("weights", (self.num_blocks, *weights.shape[1:]), weights.dtype, weights.device)
         return torch.index_select(weights, 0, self.block_slots, out=out)
 

@@ -9,9 +9,13 @@ for gathered operands, beside the plan.
 
 from __future__ import annotations
 
+from typing import Callable, Hashable, TypeVar
+
 import torch
 
 __all__ = ["KernelTables"]
+
+T = TypeVar("T")
 
 
 class KernelTables:
@@ -25,9 +29,13 @@ class KernelTables:
       a multiplication by 0 would not clear it. Recomputed on the device after each
       refill, so a kernel reads one table instead of rebuilding the mask per call;
     * workspaces, per ``(shape, dtype)``: preallocated buffers for gathered
-      operands, so a call neither allocates nor page-faults them afresh.
+      operands, so a call neither allocates nor page-faults them afresh;
+    * call operands, per call shape: what a kernel derives from the above for one
+      shape of its arguments (the workspaces it writes, their views, the tables it
+      reads), made once so that a call does one lookup instead of a dozen: at decode
+      sizes these host-side steps cost as much as a small GEMM (docs/benchmarks.md).
 
-    Both are created on first use. During a graph capture that is allowed: the
+    All are created on first use. During a graph capture that is allowed: a
     table is then also computed inside the graph, from the plan's device tensors,
     so a replay reads the refilled batch either way. Under ``torch.compile`` they
     are created and looked up inside lora_cuda's custom ops, when the op runs:
@@ -42,6 +50,7 @@ class KernelTables:
         self._tables: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self._operands: dict[tuple[int, int], tuple] = {}  # what a refresh reads, made once per table
         self._workspaces: dict[tuple, torch.Tensor] = {}
+        self._call_operands: dict[Hashable, object] = {}
 
     def _row_ranks_and_scalings(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """``(ranks, scalings, valid)`` of the planned rows: int, float32 and bool (or ``None``
@@ -71,6 +80,16 @@ class KernelTables:
         if buffer is None:
             buffer = self._workspaces[key] = torch.empty(shape, dtype=dtype, device=device)
         return buffer
+
+    def call_operands(self, key: Hashable, make: Callable[[], T]) -> T:
+        """``make()``'s result for the call shape ``key``, made on first use and kept for the
+        plan's lifetime. ``make`` may only derive views of this plan's tensors, tables and
+        workspaces (fixed for its lifetime: refills rewrite them in place), never anything
+        of a call's arguments, which differ from layer to layer."""
+        operands = self._call_operands.get(key)
+        if operands is None:
+            operands = self._call_operands[key] = make()
+        return operands  # type: ignore[return-value]
 
     @property
     def kernel_memory_bytes(self) -> int:
