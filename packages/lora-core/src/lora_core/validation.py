@@ -22,7 +22,7 @@ from typing import Sequence
 import torch
 
 from .batch_info import BatchInfo
-from .checks import check_float_dtype, check_int, is_int
+from .checks import SUPPORTED_FLOAT_DTYPES, check_float_dtype, check_int, is_int
 from .graphs import is_capturing
 from .layout import slice_offsets_from_widths
 
@@ -123,15 +123,27 @@ def _check_slots(batch_info: BatchInfo, weights: torch.Tensor, name: str) -> Non
         )
 
 
-def check_lora_a_inputs(x: torch.Tensor, weights: torch.Tensor, batch_info: BatchInfo, num_slices: int) -> int:
-    """``x (T, in)``, ``weights (L, c*R, in)``; returns ``R``."""
+def _check_x_and_weights(x: torch.Tensor, weights: torch.Tensor, batch_info: BatchInfo) -> tuple[torch.dtype, torch.device]:
+    """A shrink's or expand's ``x (T, *)`` and ``weights (L, *, *)``: tensors of one supported
+    float dtype on the batch's device, one weight slot per batch slot. Returns ``x``'s dtype and
+    device. The checks that raise run only once a cheap test fails: this runs on every call."""
     _check_tensor("x", x, 2)
     _check_tensor("weights", weights, 3)
     dtype, device = x.dtype, x.device
-    check_float_dtype("x", dtype)
-    _check_same("weights", weights, "x", dtype, device)
-    _check_batch_device(batch_info, device, "x")
-    _check_slots(batch_info, weights, "weights")
+    if dtype not in SUPPORTED_FLOAT_DTYPES:
+        check_float_dtype("x", dtype)
+    if weights.device != device or weights.dtype != dtype:
+        _check_same("weights", weights, "x", dtype, device)
+    if batch_info.device != device:
+        _check_batch_device(batch_info, device, "x")
+    if weights.shape[0] != batch_info.num_slots:
+        _check_slots(batch_info, weights, "weights")
+    return dtype, device
+
+
+def check_lora_a_inputs(x: torch.Tensor, weights: torch.Tensor, batch_info: BatchInfo, num_slices: int) -> int:
+    """``x (T, in)``, ``weights (L, c*R, in)``; returns ``R``."""
+    _check_x_and_weights(x, weights, batch_info)
     num_slices = check_int("num_slices", num_slices, minimum=1)
     (num_rows, in_features), (_, cR, w_in) = x.shape, weights.shape
     if cR % num_slices:
@@ -140,14 +152,17 @@ def check_lora_a_inputs(x: torch.Tensor, weights: torch.Tensor, batch_info: Batc
         raise ValueError(f"weights must have shape (L, c*R, {in_features}) for x {_describe(x)}, got {_describe(weights)}")
     R = cR // num_slices
     _check_ranks(batch_info, R)
-    check_num_tokens(batch_info, num_rows)
+    if batch_info.use_graph or num_rows != batch_info.num_tokens:  # an eager batch that matches passes
+        check_num_tokens(batch_info, num_rows)
     return R
 
 
 def _check_ranks(batch_info: BatchInfo, max_rank: int) -> None:
+    if tracing_for_compile():  # ranks change with set_adapters: checked by eager calls, never a guard
+        return
     ranks = batch_info.lora_ranks_host
-    if max(ranks, default=0) <= max_rank or tracing_for_compile():  # ranks change with set_adapters:
-        return  # checked by eager calls, never a guard of compiled code
+    if max(ranks, default=0) <= max_rank:
+        return
     slot = next(s for s, r in enumerate(ranks) if r > max_rank)
     raise ValueError(f"slot {slot} has rank {ranks[slot]} but the weights hold at most R = {max_rank}")
 
@@ -192,13 +207,7 @@ def check_lora_b_inputs(
     """``x (T, c*R)``, ``weights (L, out_total, R)``, ``base_output (T, out_total)``;
     returns the slice offsets as ints."""
     offsets = normalize_slice_offsets(slice_offsets)
-    _check_tensor("x", x, 2)
-    _check_tensor("weights", weights, 3)
-    dtype, device = x.dtype, x.device
-    check_float_dtype("x", dtype)
-    _check_same("weights", weights, "x", dtype, device)
-    _check_batch_device(batch_info, device, "x")
-    _check_slots(batch_info, weights, "weights")
+    dtype, device = _check_x_and_weights(x, weights, batch_info)
     num_slices, out_total = len(offsets) - 1, offsets[-1]
     (num_rows, cR), (_, w_out, R) = x.shape, weights.shape
     if out_total != w_out:
@@ -210,7 +219,8 @@ def check_lora_b_inputs(
             f"x must have {num_slices} x R = {num_slices * R} columns for {num_slices} slice(s), got {_describe(x)}"
         )
     _check_ranks(batch_info, R)
-    check_num_tokens(batch_info, num_rows)
+    if batch_info.use_graph or num_rows != batch_info.num_tokens:
+        check_num_tokens(batch_info, num_rows)
     if base_output is not None:
         _check_tensor("base_output", base_output, 2)
         _check_same("base_output", base_output, "x", dtype, device)

@@ -51,11 +51,11 @@ def sgemm_lora_a_control_fwd(
 ) -> torch.Tensor:
     """Scaled shrink. ``x: (T, in)``, ``weights: (L, c*R, in)`` -> ``(T, c*R)`` in ``x.dtype``."""
     _refuse_capture("sgemm_lora_a_control_fwd")
-    T, cR = x.shape[0], weights.shape[1]
-    R = cR // num_slices
     plan = batch_info.plan(ControlPlan)
     if plan.slot_blocks is not None:
         return block_shrink(x, weights, plan.slot_blocks, num_slices)
+    T, cR = x.shape[0], weights.shape[1]
+    R = cR // num_slices
     out = x.new_zeros(T, cR)
     if plan.by_slot:
         src, dst = x.index_select(0, plan.token_perm), x.new_zeros(plan.token_perm.shape[0], cR)
@@ -82,12 +82,11 @@ def sgemm_lora_b_control_fwd(
     """Expand. ``x: (T, c*R)``, ``weights: (L, out_total, R)``, ``slice_offsets: (0, ..., out_total)``
     -> ``(T, out_total)``, accumulated into ``base_output`` in place when given."""
     _refuse_capture("sgemm_lora_b_control_fwd")
-    T, R = x.shape[0], weights.shape[2]
-    out = base_output if base_output is not None else x.new_zeros(T, slice_offsets[-1])
-    num_slices = len(slice_offsets) - 1
+    out = base_output if base_output is not None else x.new_zeros(x.shape[0], slice_offsets[-1])
     plan = batch_info.plan(ControlPlan)
     if plan.slot_blocks is not None:
         return block_expand(x, weights, plan.slot_blocks, slice_offsets, out)
+    R, num_slices = weights.shape[2], len(slice_offsets) - 1
     if plan.by_slot:
         perm = plan.token_perm
         yp = x.index_select(0, perm)
