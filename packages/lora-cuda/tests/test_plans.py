@@ -200,3 +200,27 @@ def test_static_kernels_handle_empty_batches_and_no_slots(kernel, case):
     emb = sgemm_lora_a_embedding_fwd(torch.zeros(T, dtype=torch.long), torch.randn(L, 4, 10), info, 10,
                                      graph_safe=True)
     assert emb.shape == (T, 4) and not emb.any()
+
+
+def test_block_kernel_operands_kept_per_call_shape_follow_rows_layers_and_refills():
+    """Block kernels keep their workspaces' views and tables per call shape (KernelTables.call_operands):
+    an x with fewer rows than the capacity, a second layer of another width and a refilled batch
+    must each still get their own rows, weights and slots."""
+    from lora_core.reference import reference_lora_a, reference_lora_b
+    from lora_cuda import sgemm_lora_a_fwd, sgemm_lora_b_fwd
+
+    gen = torch.Generator().manual_seed(7)
+    ranks, scalings = [4, 2, 3], [0.5, 2.0, 1.0]
+    info = build_batch_info([2, 1, 3], [0, 2, 1], ranks, scalings, device="cpu", use_graph=True, max_tokens=8)
+    TorchNativeBackend("cpu", graph_kernel="blocked").prepare_batch(info)
+    layers = [(torch.randn(3, 4, 16, generator=gen), torch.randn(3, 12, 4, generator=gen), (0, 12)),
+              (torch.randn(3, 8, 16, generator=gen), torch.randn(3, 10, 4, generator=gen), (0, 4, 10))]
+    for seq, slots in [([2, 1, 3], [0, 2, 1]), ([1, 4, 1, 2], [1, None, 0, 2])]:
+        info.refill(seq, slots)
+        for rows in (sum(seq), 8):
+            for a, b, offsets in layers:
+                x = torch.randn(rows, 16, generator=gen)
+                y = sgemm_lora_a_fwd(x, a, info, len(offsets) - 1, graph_kernel="blocked")
+                torch.testing.assert_close(y, reference_lora_a(x, a, info, len(offsets) - 1))
+                out = sgemm_lora_b_fwd(y, b, info, offsets, torch.zeros(rows, offsets[-1]), graph_kernel="blocked")
+                torch.testing.assert_close(out, reference_lora_b(y, b, info, offsets))

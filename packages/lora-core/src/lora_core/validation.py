@@ -123,7 +123,9 @@ def _check_slots(batch_info: BatchInfo, weights: torch.Tensor, name: str) -> Non
         )
 
 
-def _check_x_and_weights(x: torch.Tensor, weights: torch.Tensor, batch_info: BatchInfo) -> tuple[torch.dtype, torch.device]:
+def _check_x_and_weights(
+    x: torch.Tensor, weights: torch.Tensor, batch_info: BatchInfo
+) -> tuple[torch.dtype, torch.device]:
     """A shrink's or expand's ``x (T, *)`` and ``weights (L, *, *)``: tensors of one supported
     float dtype on the batch's device, one weight slot per batch slot. Returns ``x``'s dtype and
     device. The checks that raise run only once a cheap test fails: this runs on every call."""
@@ -144,12 +146,14 @@ def _check_x_and_weights(x: torch.Tensor, weights: torch.Tensor, batch_info: Bat
 def check_lora_a_inputs(x: torch.Tensor, weights: torch.Tensor, batch_info: BatchInfo, num_slices: int) -> int:
     """``x (T, in)``, ``weights (L, c*R, in)``; returns ``R``."""
     _check_x_and_weights(x, weights, batch_info)
-    num_slices = check_int("num_slices", num_slices, minimum=1)
+    if type(num_slices) is not int or num_slices < 1:
+        num_slices = check_int("num_slices", num_slices, minimum=1)
     (num_rows, in_features), (_, cR, w_in) = x.shape, weights.shape
     if cR % num_slices:
         raise ValueError(f"weights dim 1 ({cR}) is not num_slices ({num_slices}) times a rank")
     if w_in != in_features:
-        raise ValueError(f"weights must have shape (L, c*R, {in_features}) for x {_describe(x)}, got {_describe(weights)}")
+        raise ValueError(
+            f"weights must have shape (L, c*R, {in_features}) for x {_describe(x)}, got {_describe(weights)}")
     R = cR // num_slices
     _check_ranks(batch_info, R)
     if batch_info.use_graph or num_rows != batch_info.num_tokens:  # an eager batch that matches passes

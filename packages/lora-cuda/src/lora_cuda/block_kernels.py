@@ -9,12 +9,13 @@ their slots' weights and run one batched GEMM. Two layouts use these kernels:
 * :class:`~lora_cuda.control_plan.SlotBlocks` (eager): one block per slot in use,
   ``b`` = the largest slot's token count, shapes fixed by the batch.
 
-A layout provides ``num_blocks``, ``block_size``, ``block_tokens (NB*b,)`` int64,
-``token_rows (T,)`` int64 (each row's position in the blocks; for a row in no
-block, the position of a padding row, which the mask zeroes), ``column_tables(R, c)`` (``(NB, b, c*R)`` scales and outside-rank mask, see
-:class:`~lora_cuda.kernel_tables.KernelTables`), ``workspace(...)``,
-``call_operands(key, make)`` (see :class:`~lora_cuda.kernel_tables.KernelTables`) and
-``block_weights(weights)``: the ``(NB, ...)`` weights of each block's slot.
+A layout provides ``num_blocks``, ``block_size``, ``block_tokens (NB*b,)`` int64 on
+the inputs' device, ``token_rows (T,)`` int64 (each row's position in the blocks;
+for a row in no block, the position of a padding row, which the mask zeroes),
+``column_tables(R, c)`` (``(NB, b, c*R)`` scales and outside-rank mask),
+``workspace(...)`` and ``call_operands(key, make, *args)`` (all three as in
+:class:`~lora_cuda.kernel_tables.KernelTables`), and ``block_weights(weights)``: the
+``(NB, ...)`` weights of each block's slot.
 Inputs are validated by the dispatcher in :mod:`lora_cuda.ops`.
 """
 
@@ -39,7 +40,7 @@ class BlockLayout(Protocol):
 
     def workspace(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor: ...
 
-    def call_operands(self, key: Hashable, make: Callable[[], T]) -> T: ...
+    def call_operands(self, key: Hashable, make: Callable[..., T], *args: object) -> T: ...
 
     def block_weights(self, weights: torch.Tensor) -> torch.Tensor: ...
 
@@ -63,8 +64,9 @@ class _ExpandOperands(NamedTuple):
 
 
 def _shrink_operands(blocks: BlockLayout, num_rows: int, in_features: int, max_rank: int, num_slices: int,
-                     dtype: torch.dtype, device: torch.device) -> _ShrinkOperands:
+                     dtype: torch.dtype) -> _ShrinkOperands:
     nb, b, cR = blocks.num_blocks, blocks.block_size, max_rank * num_slices
+    device = blocks.block_tokens.device  # the inputs' (validated by the ops)
     rows = blocks.workspace("rows", (nb * b, in_features), dtype, device)
     shrunk = blocks.workspace("shrunk", (nb, b, cR), dtype, device)
     token_rows = blocks.token_rows
@@ -75,8 +77,9 @@ def _shrink_operands(blocks: BlockLayout, num_rows: int, in_features: int, max_r
 
 
 def _expand_operands(blocks: BlockLayout, max_rank: int, num_slices: int, out_total: int,
-                     dtype: torch.dtype, device: torch.device) -> _ExpandOperands:
+                     dtype: torch.dtype) -> _ExpandOperands:
     nb, b, cR = blocks.num_blocks, blocks.block_size, max_rank * num_slices
+    device = blocks.block_tokens.device
     low_rank = blocks.workspace("low_rank_rows", (nb * b, cR), dtype, device)
     delta = blocks.workspace("delta", (nb, b, out_total), dtype, device)
     _, outside = blocks.column_tables(max_rank, num_slices)
@@ -95,9 +98,8 @@ def block_shrink(x: torch.Tensor, weights: torch.Tensor, blocks: BlockLayout, nu
     than ``index_add_`` at decode sizes."""
     x_shape, dtype = x.shape, x.dtype
     _, cR, _ = w_shape = weights.shape
-    ops = blocks.call_operands(
-        ("shrink", x_shape, w_shape, num_slices, dtype),
-        lambda: _shrink_operands(blocks, x_shape[0], x_shape[1], cR // num_slices, num_slices, dtype, x.device))
+    ops = blocks.call_operands(("shrink", x_shape, w_shape, num_slices, dtype), _shrink_operands,
+                               x_shape[0], x_shape[1], cR // num_slices, num_slices, dtype)
     torch.index_select(x, 0, blocks.block_tokens, out=ops.rows)
     torch.bmm(ops.blocks, blocks.block_weights(weights).transpose(1, 2), out=ops.shrunk)
     ops.shrunk.mul_(ops.scales).masked_fill_(ops.outside, 0)  # padding rows are 0; so is inf*0 = NaN beyond a rank
@@ -113,9 +115,8 @@ def block_expand(
     are zeroed in the gathered rows before the GEMM. Gathered rows and the delta live in the
     layout's workspaces."""
     R, num_slices, dtype = weights.shape[2], len(slice_offsets) - 1, x.dtype
-    ops = blocks.call_operands(
-        ("expand", x.shape[1], weights.shape, slice_offsets, dtype),
-        lambda: _expand_operands(blocks, R, num_slices, slice_offsets[-1], dtype, x.device))
+    ops = blocks.call_operands(("expand", x.shape[1], slice_offsets, dtype), _expand_operands,
+                               R, num_slices, slice_offsets[-1], dtype)
     torch.index_select(x, 0, blocks.block_tokens, out=ops.low_rank_rows)
     yb = ops.blocks.masked_fill_(ops.outside, 0)
     wb = blocks.block_weights(weights)  # (NB, out_total, R)

@@ -81,14 +81,15 @@ class KernelTables:
             buffer = self._workspaces[key] = torch.empty(shape, dtype=dtype, device=device)
         return buffer
 
-    def call_operands(self, key: Hashable, make: Callable[[], T]) -> T:
-        """``make()``'s result for the call shape ``key``, made on first use and kept for the
+    def call_operands(self, key: Hashable, make: Callable[..., T], *args: object) -> T:
+        """``make(self, *args)`` for the call shape ``key``, made on first use and kept for the
         plan's lifetime. ``make`` may only derive views of this plan's tensors, tables and
         workspaces (fixed for its lifetime: refills rewrite them in place), never anything
-        of a call's arguments, which differ from layer to layer."""
+        of a call's tensors, which differ from layer to layer; ``args`` are what ``key`` says
+        of the call (passed, not closed over, so that a call builds no closure)."""
         operands = self._call_operands.get(key)
         if operands is None:
-            operands = self._call_operands[key] = make()
+            operands = self._call_operands[key] = make(self, *args)
         return operands  # type: ignore[return-value]
 
     @property
