@@ -38,13 +38,13 @@ __all__ = [
 ]
 
 
-def _refuse_capture(op: str) -> None:
-    """Called once :func:`is_capturing` is true (the caller tests it: this runs on every call)."""
-    if is_capturing():
-        raise RuntimeError(
-            f"{op} is a control-flow op: its segment loop is fixed at capture time and would replay "
-            "stale batches; build the batch info with use_graph=True to use the graph-safe ops"
-        )
+def _capture_error(op: str) -> RuntimeError:
+    """The error for ``op`` under a capture (callers test :func:`is_capturing` themselves: it
+    runs on every call, this function only when they raise)."""
+    return RuntimeError(
+        f"{op} is a control-flow op: its segment loop is fixed at capture time and would replay "
+        "stale batches; build the batch info with use_graph=True to use the graph-safe ops"
+    )
 
 
 def sgemm_lora_a_control_fwd(
@@ -52,7 +52,7 @@ def sgemm_lora_a_control_fwd(
 ) -> torch.Tensor:
     """Scaled shrink. ``x: (T, in)``, ``weights: (L, c*R, in)`` -> ``(T, c*R)`` in ``x.dtype``."""
     if is_capturing():
-        _refuse_capture("sgemm_lora_a_control_fwd")
+        raise _capture_error("sgemm_lora_a_control_fwd")
     plan = batch_info.plan(ControlPlan)
     if plan.slot_blocks is not None:
         return block_shrink(x, weights, plan.slot_blocks, num_slices)
@@ -84,7 +84,7 @@ def sgemm_lora_b_control_fwd(
     """Expand. ``x: (T, c*R)``, ``weights: (L, out_total, R)``, ``slice_offsets: (0, ..., out_total)``
     -> ``(T, out_total)``, accumulated into ``base_output`` in place when given."""
     if is_capturing():
-        _refuse_capture("sgemm_lora_b_control_fwd")
+        raise _capture_error("sgemm_lora_b_control_fwd")
     out = base_output if base_output is not None else x.new_zeros(x.shape[0], slice_offsets[-1])
     plan = batch_info.plan(ControlPlan)
     if plan.slot_blocks is not None:
@@ -117,7 +117,7 @@ def sgemm_lora_a_embedding_control_fwd(
     Ids outside ``[0, num_valid_ids)`` get zeros (looked up as id 0, then masked).
     """
     if is_capturing():
-        _refuse_capture("sgemm_lora_a_embedding_control_fwd")
+        raise _capture_error("sgemm_lora_a_embedding_control_fwd")
     plan = batch_info.plan(ControlPlan)
     if plan.slot_blocks is not None:
         return sgemm_lora_a_embedding_graph_fwd(ids, weights, batch_info, num_valid_ids)
