@@ -1,5 +1,6 @@
 """build_batch_info: segments, graph-mode refill, lm_head view, bad input."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -51,6 +52,29 @@ def test_lm_head_view_keeps_last_token_of_each_request_and_refills_with_the_batc
     info.refill([2, 2], [0, None])
     assert info.lm_head_view(pruned=True) is view and view.token_slots is slots
     assert view.token_slots.tolist()[:3] == [0, -1, -1]
+
+
+def test_slot_ranks_and_scalings_index_slot_minus_one_as_the_base_model_and_follow_the_adapters():
+    info = build_batch_info([1, 2], [0, None], [4, 0, 2], [0.5, 2.0, 1.5], device="cpu",
+                            use_graph=True, max_tokens=4)
+    ranks, scalings = info.slot_ranks_scalings_host
+    assert ranks.dtype == np.int32 and scalings.dtype == np.float32
+    assert ranks.tolist() == [4, 0, 2, 0] and scalings.tolist() == [0.5, 0.0, 1.5, 0.0]  # rank 0: scaling 0
+    assert ranks[info.weight_indices_cpu.numpy()[:2]].tolist() == [4, 0]  # slot -1 reads the last entry
+    info.set_adapters([0, 8, 2], [0.5, 2.0, 1.5])
+    ranks, scalings = info.slot_ranks_scalings_host
+    assert ranks.tolist() == [0, 8, 2, 0] and scalings.tolist() == [0.0, 2.0, 1.5, 0.0]
+
+
+@pytest.mark.parametrize("lens", [[1, 1, 1], [1, 0, 1], [0, 0, 0], [2, 1, 0]])
+def test_the_pruned_view_of_a_refilled_batch_has_one_token_per_non_empty_request(lens):
+    info = build_batch_info([1], [0], [2, 2], [1.0, 1.0], device="cpu", use_graph=True, max_tokens=4)
+    view = info.lm_head_view(pruned=True)
+    slots = [1, None, 0]
+    info.refill(lens, slots)
+    kept = [s for n, s in zip(lens, slots) if n]
+    assert view.seq_lens == (1,) * len(kept) and view.request_slots == tuple(-1 if s is None else s for s in kept)
+    assert view.token_slots.tolist() == [-1 if s is None else s for s in kept] + [-1] * (4 - len(kept))
 
 
 def test_refill_is_for_graph_mode_only():

@@ -77,6 +77,9 @@ def _check_static_plans(info, ranks):
     assert sorted_plan.sorted_tokens.tolist() == order
     assert sorted_plan.group_ends.tolist() == ends
     assert sorted_plan.sorted_ranks.tolist() == [ranks[token_slots[t]] if token_slots[t] >= 0 else 0 for t in order]
+    scalings = info.scalings_cpu.tolist()  # 0 for the rows without an adapter (slot -1 or rank 0)
+    assert sorted_plan.sorted_scalings.tolist() == [
+        scalings[token_slots[t]] if token_slots[t] >= 0 and ranks[token_slots[t]] else 0.0 for t in order]
     # blocks: every active token exactly once, in a block of its own slot, with that slot's rank
     valid = blocks.block_valid
     tokens = blocks.block_tokens.view(valid.shape)

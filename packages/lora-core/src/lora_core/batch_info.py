@@ -48,12 +48,14 @@ _MAX_TOKENS = 2**31 - 1  # token and segment offsets are int32 on the device
 
 
 class _Requests:
-    """A validated batch description: tokens and slot per request (host NumPy int64 arrays)."""
+    """A validated batch description: tokens and slot per request (host NumPy int64 arrays),
+    with the shortest and longest request (0 for an empty batch)."""
 
-    __slots__ = ("lens", "slots", "num_tokens", "_lens_tuple", "_slots_tuple")
+    __slots__ = ("lens", "slots", "num_tokens", "min_len", "max_len", "_lens_tuple", "_slots_tuple")
 
-    def __init__(self, lens: np.ndarray, slots: np.ndarray, num_tokens: int) -> None:
+    def __init__(self, lens: np.ndarray, slots: np.ndarray, num_tokens: int, min_len: int, max_len: int) -> None:
         self.lens, self.slots, self.num_tokens = lens, slots, num_tokens
+        self.min_len, self.max_len = min_len, max_len
         self._lens_tuple: tuple[int, ...] | None = None
         self._slots_tuple: tuple[int, ...] | None = None
 
@@ -72,18 +74,23 @@ class _Requests:
     @property
     def is_one_token_each(self) -> bool:
         """Every non-empty request has one token (decode): the pruned LM-head view equals the batch."""
-        return self.num_tokens == 0 or int(self.lens.max()) <= 1
+        return self.max_len <= 1
 
     def last_tokens(self) -> _Requests:
         """One single-token request per non-empty request: the rows a pruned LM head receives."""
+        if self.min_len == self.max_len == 1:  # already one token each, none empty
+            return self
         slots = self.slots[self.lens > 0]
-        return _Requests(np.ones_like(slots), slots, int(slots.size))
+        n = int(slots.size)
+        return _Requests(np.ones_like(slots), slots, n, min(n, 1), min(n, 1))
 
 
 def _merge_segments(requests: _Requests) -> tuple[np.ndarray, np.ndarray]:
     """Adjacent non-empty requests on one slot merged: ``(seg_lens, seg_slots)``, int64."""
-    keep = requests.lens > 0
-    lens, slots = requests.lens[keep], requests.slots[keep]
+    lens, slots = requests.lens, requests.slots
+    if requests.min_len == 0:  # drop empty requests (they hold no rows)
+        keep = lens > 0
+        lens, slots = lens[keep], slots[keep]
     if not lens.size:
         return lens, slots
     starts = np.empty(slots.shape, dtype=bool)
@@ -166,6 +173,7 @@ class BatchInfo:
         self._derived: dict[str, object] = {}
         self._lm_head_view: BatchInfo | None = None
         self._lora_ranks, self._scalings = lora_ranks, scalings
+        self._slot_ranks_scalings: tuple[np.ndarray, np.ndarray] | None = None
         if use_graph:  # adapters and batch are rewritten independently, each in place
             self._adapters = allocating(f"lora_ranks ({self.num_slots} slots)", lambda: StagedTensors(
                 _adapter_fields(self.num_slots), device, double_buffered=True))
@@ -210,6 +218,18 @@ class BatchInfo:
     def request_slots(self) -> tuple[int, ...]:
         """Slot per request (-1 = no adapter), as given to the builder."""
         return self._requests.slots_tuple
+
+    @property
+    def slot_ranks_scalings_host(self) -> tuple[np.ndarray, np.ndarray]:
+        """Rank and scaling per slot as NumPy arrays (int32, float32) of ``L + 1`` entries, which
+        host planning indexes with slot arrays: the last entry, the one slot ``-1`` reads, is the
+        base model's (rank 0, scaling 0), and a slot of rank 0 has scaling 0. Read-only by convention."""
+        if self._slot_ranks_scalings is None:
+            ranks = np.array((*self._lora_ranks, 0), dtype=np.int32)
+            scalings = np.array((*self._scalings, 0.0), dtype=np.float32)
+            scalings[ranks == 0] = 0.0
+            self._slot_ranks_scalings = (ranks, scalings)
+        return self._slot_ranks_scalings
 
     @property
     def lora_ranks_host(self) -> tuple[int, ...]:
@@ -310,6 +330,7 @@ class BatchInfo:
         host["scalings"][:] = scalings
         self._adapters.upload()
         self._lora_ranks, self._scalings = tuple(lora_ranks), tuple(scalings)
+        self._slot_ranks_scalings = None
         self._derived = {}
 
     def _publish_batch(self, requests: _Requests) -> None:
@@ -329,11 +350,11 @@ class BatchInfo:
         indptr[S + 1 :] = T
         host["weight_indices"][:S] = seg_slots
         host["weight_indices"][S:] = -1
-        host["token_slots"][:T] = np.repeat(seg_slots, seg_lens)
+        host["token_slots"][:T] = seg_slots if S == T else np.repeat(seg_slots, seg_lens)
         host["token_slots"][T:] = -1
         self._batch.upload()
         self._requests, self._num_segments = requests, S
-        self._segments = (seg_lens, seg_slots, np.cumsum(seg_lens) - seg_lens)
+        self._segments = (seg_lens, seg_slots, indptr[:S].astype(np.int64))
         self._derived = {}
         if self.use_graph and self._lm_head_view is not None:
             self._lm_head_view._publish_view_of(self)
@@ -496,9 +517,12 @@ def _validate_requests(seq_lens: Sequence[int], slot_ids: Sequence[int | None], 
             f"seq_lens and slot_ids must have one entry per request; got {len(lens)} and {len(slots)}"
         )
     lens_array = _plain_int_array(lens)
-    if lens_array is None or lens_array.min() < 0:
+    bounds = None if lens_array is None else (int(lens_array.min()), int(lens_array.max()))
+    if bounds is None or bounds[0] < 0:
         lens, lens_array = _int_values("seq_lens", lens, 0), None  # raises naming a bad length
-    total = int(lens_array.sum()) if lens_array is not None and lens_array.max() <= _MAX_TOKENS else sum(lens)
+        bounds = (min(lens, default=0), max(lens, default=0))
+    min_len, max_len = bounds
+    total = int(lens_array.sum()) if lens_array is not None and max_len <= _MAX_TOKENS else sum(lens)
     if total > _MAX_TOKENS:
         raise ValueError(f"seq_lens sum to {total} tokens, more than a batch can index (2**31 - 1)")
     if lens_array is None:
@@ -511,7 +535,7 @@ def _validate_requests(seq_lens: Sequence[int], slot_ids: Sequence[int | None], 
             if not is_int(s) or not -1 <= s < num_slots:
                 raise ValueError(f"slot_ids[{i}] must be None, -1 or a slot in [0, {num_slots}), got {s!r}")
         slots_array = np.array([int(s) for s in slots], dtype=np.int64)
-    return _Requests(lens_array, slots_array, total)
+    return _Requests(lens_array, slots_array, total, min_len, max_len)
 
 
 def _check_capacity(requests: _Requests, capacity: int) -> None:

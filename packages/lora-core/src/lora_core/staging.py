@@ -93,6 +93,9 @@ class StagedTensors:
                                                                                  device=device)
         self.device: dict[str, torch.Tensor] = (self._host_views[0] if self._shared
                                                 else _views(self._device_buffer, self._layout)[0])
+        # a CPU device buffer of its own is written with NumPy copies: a third of a torch copy's cost
+        self._byte_arrays = ([buffer.numpy() for buffer in self._buffers], self._device_buffer.numpy()) \
+            if device.type == "cpu" and not self._shared else None
         self._next = 0
         self.published: dict[str, torch.Tensor] = self._host_views[0]
 
@@ -118,12 +121,19 @@ class StagedTensors:
     def copy_published(self, other: StagedTensors) -> None:
         """Publish the data ``other`` published last (same fields): one host copy, one upload."""
         self._wait_for_staging()
-        self._buffers[self._next].copy_(other._buffers[(other._next - 1) % len(other._buffers)])
+        source = (other._next - 1) % len(other._buffers)
+        if self._byte_arrays is not None and other._byte_arrays is not None:
+            self._byte_arrays[0][self._next][:] = other._byte_arrays[0][source]
+        else:
+            self._buffers[self._next].copy_(other._buffers[source])
         self.upload()
 
     def upload(self) -> None:
         """Copy the staging buffer to the device in one copy; it becomes :attr:`published`."""
-        if not self._shared:
+        if self._byte_arrays is not None:
+            host_bytes, device_bytes = self._byte_arrays
+            device_bytes[:] = host_bytes[self._next]
+        elif not self._shared:  # (a shared buffer is its own device copy)
             self._device_buffer.copy_(self._buffers[self._next], non_blocking=self._pin)
         if self._pin:
             event = torch.cuda.Event()

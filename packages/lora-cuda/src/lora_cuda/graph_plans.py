@@ -107,28 +107,32 @@ class _SlotOrder:
     slot in row order, then the rows without an adapter (slot -1, rank 0, padding).
 
     Computed per segment, not per token: a segment's rows are contiguous, so the
-    order is the segments sorted by slot, each expanded to its row range.
+    order is the segments sorted by slot, each expanded to its row range (nothing
+    to expand when every segment is one row, as at decode).
     """
 
     def __init__(self, batch_info: BatchInfo) -> None:
         L = batch_info.num_slots
         rows, real = batch_info.num_tokens, batch_info.num_real_tokens
         seg_lens, seg_slots, seg_starts = batch_info.segments_host
-        ranks = np.append(batch_info.lora_ranks_cpu.numpy(), 0)  # slot -1 -> rank 0
-        scalings = np.append(batch_info.scalings_cpu.numpy(), np.float32(0))
-        seg_ranks = ranks[seg_slots]  # 0 for segments without an adapter
-        active = seg_ranks > 0
-        key = np.where(active, seg_slots, L)
+        slot_ranks, slot_scalings = batch_info.slot_ranks_scalings_host  # slot -1 -> rank 0, scaling 0
+        key = np.where(slot_ranks[seg_slots] > 0, seg_slots, L)
         by_slot = np.argsort(key, kind="stable")
-        lens = seg_lens[by_slot]
         # graph-mode padding rows [real, rows) have no adapter and come last, in row order
         self.order = np.arange(rows, dtype=np.int64)
-        self.order[:real] += np.repeat(seg_starts[by_slot] - (np.cumsum(lens) - lens), lens)
+        if seg_lens.size == real:  # one row per segment: the sorted segments are the sorted rows
+            self.order[:real] = seg_starts[by_slot]
+            row_slots = seg_slots[by_slot]
+            self.counts = np.bincount(key, minlength=L + 1)[:L]
+        else:
+            lens = seg_lens[by_slot]
+            self.order[:real] += np.repeat(seg_starts[by_slot] - (np.cumsum(lens) - lens), lens)
+            row_slots = np.repeat(seg_slots[by_slot], lens)
+            self.counts = np.bincount(key, weights=seg_lens, minlength=L + 1)[:L].astype(np.int64)
         self.row_ranks = np.zeros(rows, dtype=np.int32)
-        self.row_ranks[:real] = np.repeat(seg_ranks[by_slot], lens)
+        self.row_ranks[:real] = slot_ranks[row_slots]
         self.row_scalings = np.zeros(rows, dtype=np.float32)
-        self.row_scalings[:real] = np.repeat(np.where(active, scalings[seg_slots], 0)[by_slot], lens)
-        self.counts = np.bincount(key, weights=seg_lens, minlength=L + 1)[:L].astype(np.int64)
+        self.row_scalings[:real] = slot_scalings[row_slots]
 
 
 def _slot_order(batch_info: BatchInfo) -> _SlotOrder:
@@ -267,7 +271,8 @@ class BlockPlan(KernelTables, BatchPlan):
         filled = np.flatnonzero(flat_valid)
         token_rows[tokens.reshape(-1)[filled]] = filled
         host["block_slots"][:] = np.where(real, slot, 0)
-        host["block_ranks"][:] = np.where(real, batch_info.lora_ranks_cpu.numpy()[slot], 0)
-        host["block_scalings"][:] = np.where(real, batch_info.scalings_cpu.numpy()[slot], 0)
+        slot_ranks, slot_scalings = batch_info.slot_ranks_scalings_host
+        host["block_ranks"][:] = np.where(real, slot_ranks[slot], 0)
+        host["block_scalings"][:] = np.where(real, slot_scalings[slot], 0)
         self._staged.upload()
         self._refresh_tables()
