@@ -32,6 +32,7 @@ from lora_core import BatchInfo, BatchPlan
 from lora_core.staging import StagedTensors
 
 from .kernel_tables import KernelTables
+from .slot_order import slot_order
 
 __all__ = ["SortedPlan", "BlockPlan", "batch_args", "batch_key", "batch_of_key", "block_size_for",
            "MIN_BLOCK_SIZE", "MAX_BLOCK_SIZE"]
@@ -102,43 +103,6 @@ def batch_args(batch_info: BatchInfo, *tensors: torch.Tensor) -> tuple[int, list
     return key, []
 
 
-class _SlotOrder:
-    """Rows of a batch ordered by slot (host NumPy arrays): active rows first, grouped by
-    slot in row order, then the rows without an adapter (slot -1, rank 0, padding).
-
-    Computed per segment, not per token: a segment's rows are contiguous, so the
-    order is the segments sorted by slot, each expanded to its row range (nothing
-    to expand when every segment is one row, as at decode).
-    """
-
-    def __init__(self, batch_info: BatchInfo) -> None:
-        L = batch_info.num_slots
-        rows, real = batch_info.num_tokens, batch_info.num_real_tokens
-        seg_lens, seg_slots, seg_starts = batch_info.segments_host
-        slot_ranks, slot_scalings = batch_info.slot_ranks_scalings_host  # slot -1 -> rank 0, scaling 0
-        key = np.where(slot_ranks[seg_slots] > 0, seg_slots, L)
-        by_slot = np.argsort(key, kind="stable")
-        # graph-mode padding rows [real, rows) have no adapter and come last, in row order
-        self.order = np.arange(rows, dtype=np.int64)
-        if seg_lens.size == real:  # one row per segment: the sorted segments are the sorted rows
-            self.order[:real] = seg_starts[by_slot]
-            row_slots = seg_slots[by_slot]
-            self.counts = np.bincount(key, minlength=L + 1)[:L]
-        else:
-            lens = seg_lens[by_slot]
-            self.order[:real] += np.repeat(seg_starts[by_slot] - (np.cumsum(lens) - lens), lens)
-            row_slots = np.repeat(seg_slots[by_slot], lens)
-            self.counts = np.bincount(key, weights=seg_lens, minlength=L + 1)[:L].astype(np.int64)
-        self.row_ranks = np.zeros(rows, dtype=np.int32)
-        self.row_ranks[:real] = slot_ranks[row_slots]
-        self.row_scalings = np.zeros(rows, dtype=np.float32)
-        self.row_scalings[:real] = slot_scalings[row_slots]
-
-
-def _slot_order(batch_info: BatchInfo) -> _SlotOrder:
-    return batch_info.derived("lora_cuda.slot_order", _SlotOrder)
-
-
 class SortedPlan(KernelTables, BatchPlan):
     """Rows sorted by slot for grouped GEMMs (``rows`` = the batch info's ``num_tokens``).
 
@@ -177,7 +141,7 @@ class SortedPlan(KernelTables, BatchPlan):
         return self.sorted_ranks, self.sorted_scalings, None
 
     def refill(self, batch_info: BatchInfo) -> None:
-        order = _slot_order(batch_info)
+        order = slot_order(batch_info)
         host = self._staged.host_arrays
         host["sorted_tokens"][:] = order.order
         host["token_rows"][order.order] = self._positions
@@ -251,7 +215,7 @@ class BlockPlan(KernelTables, BatchPlan):
             self._staged.upload()
             self._refresh_tables()
             return
-        order = _slot_order(batch_info)
+        order = slot_order(batch_info)
         counts = order.counts
         blocks_per_slot = (counts + b - 1) // b
         block_ends = np.cumsum(blocks_per_slot)
