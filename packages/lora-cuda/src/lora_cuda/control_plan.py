@@ -29,6 +29,7 @@ from lora_core import BatchInfo, BatchPlan
 from lora_core.staging import publish_arrays
 
 from .kernel_tables import KernelTables
+from .slot_order import place_in_blocks, slot_order
 
 __all__ = ["ControlPlan", "SlotBlocks", "TokenGroup", "SLOT_GROUPING_MAX_MEAN_SEGMENT_LEN",
            "SLOT_BLOCKS_MAX_PADDING"]
@@ -78,18 +79,14 @@ class SlotBlocks(KernelTables):
         self.num_blocks, self.block_size = nb, b
         lo = int(slots[0])
         self.slot_range = (lo, lo + nb) if int(slots[-1]) == lo + nb - 1 else None
-        row = np.arange(b)
-        valid = row[None, :] < counts[:, None]
-        position = np.minimum((np.cumsum(counts) - counts)[:, None] + row, perm.size - 1)
-        # tokens without an adapter read the first padding row (there is one when they exist)
-        token_rows = np.full(batch_info.num_tokens, np.argmin(valid) if perm.size < batch_info.num_tokens else 0,
-                             dtype=np.int64)
-        token_rows[perm] = np.flatnonzero(valid)  # the valid rows hold perm in order
+        valid = np.arange(b) < counts[:, None]
+        block_tokens = np.empty(nb * b, dtype=np.int64)
+        token_rows = np.empty(batch_info.num_tokens, dtype=np.int64)
+        place_in_blocks(valid, perm, block_tokens, token_rows)
+        slot_ranks, slot_scalings = batch_info.slot_ranks_scalings_host
         published = publish_arrays(  # one upload (none on the CPU): this layout lives for one batch
-            {"block_tokens": np.where(valid, perm[position], 0).reshape(-1), "block_valid": valid,
-             "block_slots": slots.astype(np.int64, copy=False),
-             "block_ranks": batch_info.lora_ranks_cpu.numpy()[slots],
-             "block_scalings": batch_info.scalings_cpu.numpy()[slots], "token_rows": token_rows},
+            {"block_tokens": block_tokens, "block_valid": valid, "block_slots": slots.astype(np.int64, copy=False),
+             "block_ranks": slot_ranks[slots], "block_scalings": slot_scalings[slots], "token_rows": token_rows},
             batch_info.device,
         )
         (self.block_tokens, self.block_valid, self.block_slots, self.block_ranks, self.block_scalings,
@@ -128,25 +125,21 @@ class ControlPlan(BatchPlan):
 
     @classmethod
     def build(cls, batch_info: BatchInfo) -> ControlPlan:
-        S, L = batch_info.num_segments, batch_info.num_slots
-        seg_slots = batch_info.weight_indices_cpu.numpy()[:S]
-        seg_lens = batch_info.seg_lens_cpu.numpy()[:S]
-        slot_ranks = np.append(batch_info.lora_ranks_cpu.numpy(), 0)  # slot -1 -> rank 0
-        active = slot_ranks[seg_slots] > 0
+        L = batch_info.num_slots
+        seg_lens, seg_slots, seg_starts = batch_info.segments_host
+        active = batch_info.slot_ranks_scalings_host[0][seg_slots] > 0  # slot -1 -> rank 0
         slots, lens = seg_slots[active], seg_lens[active]
-        per_slot = np.bincount(slots, weights=lens, minlength=L).astype(np.int64)
+        per_slot = np.bincount(slots, weights=lens, minlength=L)
         num_groups, num_tokens = slots.size, int(lens.sum())
         ranks, scalings = batch_info.lora_ranks_host, batch_info.scalings_host
         used = np.flatnonzero(per_slot)
         by_slot = used.size < num_groups and num_tokens / num_groups < SLOT_GROUPING_MAX_MEAN_SEGMENT_LEN
         if not by_slot:
-            starts = batch_info.seg_indptr_cpu.numpy()[:S][active].tolist()
             groups = tuple(TokenGroup(s, ranks[s], scalings[s], start, start + n)
-                           for s, n, start in zip(slots.tolist(), lens.tolist(), starts))
+                           for s, n, start in zip(slots.tolist(), lens.tolist(), seg_starts[active].tolist()))
             return cls(False, groups, None)
-        token_slots = batch_info.token_slots_cpu.numpy()[: batch_info.num_real_tokens]
-        perm = np.argsort(np.where(slot_ranks[token_slots] > 0, token_slots, L), kind="stable")[:num_tokens]
-        counts = per_slot[used]
+        order = slot_order(batch_info)
+        perm, counts = order.order[:num_tokens], order.counts[used]
         ends = np.cumsum(counts).tolist()
         groups = tuple(TokenGroup(s, ranks[s], scalings[s], end - n, end)
                        for s, n, end in zip(used.tolist(), counts.tolist(), ends))

@@ -32,7 +32,7 @@ from lora_core import BatchInfo, BatchPlan
 from lora_core.staging import StagedTensors
 
 from .kernel_tables import KernelTables
-from .slot_order import slot_order
+from .slot_order import place_in_blocks, slot_order
 
 __all__ = ["SortedPlan", "BlockPlan", "batch_args", "batch_key", "batch_of_key", "block_size_for",
            "MIN_BLOCK_SIZE", "MAX_BLOCK_SIZE"]
@@ -224,16 +224,9 @@ class BlockPlan(KernelTables, BatchPlan):
         slot = np.minimum(slot, L - 1)
         index_in_slot = np.arange(nb) - (block_ends - blocks_per_slot)[slot]
         row_in_slot = index_in_slot[:, None] * b + np.arange(b)[None, :]  # (NB, b)
-        valid = real[:, None] & (row_in_slot < counts[slot][:, None])
-        position = np.minimum((np.cumsum(counts) - counts)[slot][:, None] + row_in_slot, order.order.size - 1)
-        host["block_valid"][:] = valid
-        tokens = np.where(valid, order.order[position], 0)
-        host["block_tokens"].reshape(nb, b)[:] = tokens
-        token_rows = host["token_rows"]
-        flat_valid = valid.reshape(-1)
-        token_rows.fill(int(np.argmin(flat_valid)))  # the first padding row
-        filled = np.flatnonzero(flat_valid)
-        token_rows[tokens.reshape(-1)[filled]] = filled
+        valid = host["block_valid"]
+        np.logical_and(real[:, None], row_in_slot < counts[slot][:, None], out=valid)
+        place_in_blocks(valid, order.order[: order.num_active], host["block_tokens"], host["token_rows"])
         host["block_slots"][:] = np.where(real, slot, 0)
         slot_ranks, slot_scalings = batch_info.slot_ranks_scalings_host
         host["block_ranks"][:] = np.where(real, slot_ranks[slot], 0)
