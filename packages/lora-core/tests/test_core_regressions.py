@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -216,7 +218,15 @@ def test_an_allocation_failure_names_the_argument_that_asked_for_it(monkeypatch)
                                f"you tried to allocate {size} bytes")
         return real_empty(*args, **kwargs)
 
+    real_np_empty = np.empty
+
+    def np_empty(shape, *args, **kwargs):  # an eager CPU batch's fields are NumPy arrays
+        if math.prod(shape if isinstance(shape, tuple) else (shape,)) > 10**6:
+            raise MemoryError(f"Unable to allocate an array with shape {shape}")
+        return real_np_empty(shape, *args, **kwargs)
+
     monkeypatch.setattr(torch, "empty", empty)
+    monkeypatch.setattr(np, "empty", np_empty)
     with pytest.raises(ValueError, match="max_tokens = 100000000: cannot allocate"):
         graph_info(max_tokens=10**8)
     with pytest.raises(ValueError, match=r"seq_lens \(100000000 tokens\): cannot allocate"):

@@ -63,3 +63,19 @@ def test_publish_arrays_gives_device_tensors_with_the_arrays_values_dtypes_and_s
 def test_publish_arrays_rejects_a_dtype_no_field_has():
     with pytest.raises(TypeError, match="float64"):
         publish_arrays({"x": np.zeros(3)}, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("source_buffers,target_buffers", [(True, True), (True, False), (False, True)],
+                         ids=["double-to-double", "double-to-single", "single-to-double"])
+def test_copy_published_publishes_the_sources_last_upload(device, source_buffers, target_buffers):
+    """Whatever the two sides' buffering (on the CPU a single host copy is the device copy, with
+    no staging buffer), the target publishes what the source published last, not what it stages."""
+    source = StagedTensors(FIELDS, device.torch_device, double_buffered=source_buffers)
+    target = StagedTensors(FIELDS, device.torch_device, double_buffered=target_buffers)
+    _fill(target, 1)
+    _fill(source, 2)
+    if source_buffers:
+        source.host_arrays["ids"][:] = 99  # staged for the source's next upload: not published
+    target.copy_published(source)
+    for name in FIELDS:
+        assert target.device[name].tolist() == _expected(2)[name] == target.published[name].tolist()

@@ -5,7 +5,9 @@ read by ops on the device. :class:`StagedTensors` lays a set of named tensors
 out in one byte buffer on each side, so publishing them is a single
 host-to-device copy, whatever their number and dtypes. The device buffer is
 allocated once: its views keep their identity and addresses, which is what lets
-a captured graph replay on refilled data (docs/graph-rules.md).
+a captured graph replay on refilled data (docs/graph-rules.md). On the CPU with
+one host copy (an eager batch) that copy is the device copy: nothing is copied,
+and each field is an array of its own.
 
 :func:`publish_arrays` does the same for host data computed once (an eager
 batch's plan): NumPy arrays reach the device in one copy, or, on the CPU, are
@@ -46,6 +48,11 @@ def _layout(fields: FieldSpecs) -> tuple[dict[str, tuple[int, tuple[int, ...], t
     return offsets, max(nbytes, _ALIGN)
 
 
+def _empty_array(shape: tuple[int, ...], dtype: torch.dtype) -> np.ndarray:
+    numpy_dtype = _NUMPY_DTYPES.get(dtype)
+    return np.empty(shape, dtype=numpy_dtype) if numpy_dtype is not None else torch.empty(shape, dtype=dtype).numpy()
+
+
 def _views(buffer: torch.Tensor, layout: dict) -> tuple[dict[str, torch.Tensor], dict[str, np.ndarray] | None]:
     """The fields' tensor views of ``buffer`` and, for a CPU buffer, their NumPy views."""
     if buffer.device.type == "cpu" and all(dtype in _NUMPY_DTYPES for _, _, dtype in layout.values()):
@@ -77,26 +84,33 @@ class StagedTensors:
     """
 
     def __init__(self, fields: FieldSpecs, device: torch.device, *, double_buffered: bool = False) -> None:
-        self._layout, nbytes = _layout(fields)
         self._pin = device.type == "cuda" and torch.cuda.is_available()
         count = 2 if double_buffered else 1
+        self._events: list[torch.cuda.Event | None] = [None] * count
+        self._next = 0
+        # one host copy, on the CPU: it is the device copy too, and an upload copies nothing; with
+        # no copy to make in one piece, each field is an array of its own (a third of the cost of
+        # laying them out in one buffer: what an eager batch pays)
+        self._shared = count == 1 and device.type == "cpu"
+        if self._shared:
+            arrays = {name: _empty_array(shape, dtype) for name, (shape, dtype) in fields.items()}
+            self._host_arrays = [arrays]
+            self._host_views = [{name: torch.from_numpy(array) for name, array in arrays.items()}]
+            self._buffers, self._byte_arrays = [], None
+            self.device = self.published = self._host_views[0]
+            return
+        self._layout, nbytes = _layout(fields)
         self._buffers = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=self._pin) for _ in range(count)]
         self._host_views, self._host_arrays = [], []
         for buffer in self._buffers:
             views, arrays = _views(buffer, self._layout)
             self._host_views.append(views)
             self._host_arrays.append(arrays if arrays is not None else {k: v.numpy() for k, v in views.items()})
-        self._events: list[torch.cuda.Event | None] = [None] * count
-        # one host buffer, on the CPU: it is the device copy too (an upload copies nothing)
-        self._shared = count == 1 and device.type == "cpu"
-        self._device_buffer = self._buffers[0] if self._shared else torch.empty(nbytes, dtype=torch.uint8,
-                                                                                 device=device)
-        self.device: dict[str, torch.Tensor] = (self._host_views[0] if self._shared
-                                                else _views(self._device_buffer, self._layout)[0])
-        # a CPU device buffer of its own is written with NumPy copies: a third of a torch copy's cost
+        self._device_buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        self.device: dict[str, torch.Tensor] = _views(self._device_buffer, self._layout)[0]
+        # a CPU device buffer is written with NumPy copies: a third of a torch copy's cost
         self._byte_arrays = ([buffer.numpy() for buffer in self._buffers], self._device_buffer.numpy()) \
-            if device.type == "cpu" and not self._shared else None
-        self._next = 0
+            if device.type == "cpu" else None
         self.published: dict[str, torch.Tensor] = self._host_views[0]
 
     @property
@@ -121,6 +135,11 @@ class StagedTensors:
     def copy_published(self, other: StagedTensors) -> None:
         """Publish the data ``other`` published last (same fields): one host copy, one upload."""
         self._wait_for_staging()
+        if self._shared or other._shared:  # fields of their own on one side: copied one by one
+            for name, array in self.host_arrays.items():
+                array[...] = other.published[name].numpy()
+            self.upload()
+            return
         source = (other._next - 1) % len(other._buffers)
         if self._byte_arrays is not None and other._byte_arrays is not None:
             self._byte_arrays[0][self._next][:] = other._byte_arrays[0][source]
@@ -133,14 +152,14 @@ class StagedTensors:
         if self._byte_arrays is not None:
             host_bytes, device_bytes = self._byte_arrays
             device_bytes[:] = host_bytes[self._next]
-        elif not self._shared:  # (a shared buffer is its own device copy)
+        elif not self._shared:  # (a shared host copy is the device copy)
             self._device_buffer.copy_(self._buffers[self._next], non_blocking=self._pin)
         if self._pin:
             event = torch.cuda.Event()
             event.record()
             self._events[self._next] = event
         self.published = self._host_views[self._next]
-        self._next = (self._next + 1) % len(self._buffers)
+        self._next = (self._next + 1) % len(self._host_arrays)
 
 
 def publish_arrays(arrays: Mapping[str, np.ndarray], device: torch.device) -> dict[str, torch.Tensor]:
