@@ -227,3 +227,33 @@ def test_block_kernel_operands_kept_per_call_shape_follow_rows_layers_and_refill
                 torch.testing.assert_close(y, reference_lora_a(x, a, info, len(offsets) - 1))
                 out = sgemm_lora_b_fwd(y, b, info, offsets, torch.zeros(rows, offsets[-1]), graph_kernel="blocked")
                 torch.testing.assert_close(out, reference_lora_b(y, b, info, offsets))
+
+
+def test_slot_blocks_equal_their_definition_on_random_decode_batches():
+    """Blocks in slot order, each slot's tokens in row order from the block's start; tokens
+    without an adapter point at the first padding cell (one is added when the blocks are full)."""
+    rng = random.Random(5)
+    checked = 0
+    for _ in range(200):
+        num_slots = rng.randint(1, 5)
+        ranks = [rng.choice([0, 2, 4]) for _ in range(num_slots)]
+        slot_ids = [rng.choice([None, *range(num_slots)]) for _ in range(rng.randint(1, 24))]
+        info = build_batch_info([1] * len(slot_ids), slot_ids, ranks, [1.0] * num_slots, device="cpu")
+        blocks = info.plan(ControlPlan).slot_blocks
+        if blocks is None:
+            continue
+        checked += 1
+        tokens = {s: [t for t, slot in enumerate(slot_ids) if slot == s] for s in range(num_slots) if ranks[s]}
+        tokens = {s: ts for s, ts in tokens.items() if ts}
+        b, active = max(map(len, tokens.values())), sum(map(len, tokens.values()))
+        if len(tokens) * b == active < len(slot_ids):
+            b += 1
+        assert (blocks.num_blocks, blocks.block_size) == (len(tokens), b)
+        assert blocks.block_slots.tolist() == sorted(tokens)
+        cells = [ts[j] if j < len(ts) else None for ts in (tokens[s] for s in sorted(tokens)) for j in range(b)]
+        assert blocks.block_valid.reshape(-1).tolist() == [c is not None for c in cells]
+        assert blocks.block_tokens.tolist() == [0 if c is None else c for c in cells]
+        padding = next((i for i, c in enumerate(cells) if c is None), 0)
+        assert blocks.token_rows.tolist() == [cells.index(t) if t in cells else padding
+                                              for t in range(len(slot_ids))]
+    assert checked > 20

@@ -20,6 +20,7 @@ mirrors; the Python loop runs over segments or slots, never over tokens.
 
 from __future__ import annotations
 
+import itertools
 from typing import NamedTuple
 
 import numpy as np
@@ -73,7 +74,7 @@ class SlotBlocks(KernelTables):
 
     def __init__(self, batch_info: BatchInfo, perm: np.ndarray, slots: np.ndarray, counts: np.ndarray) -> None:
         super().__init__()
-        nb, b = int(slots.size), int(counts.max())
+        nb, b = int(slots.size), max(counts.tolist())
         if nb * b == perm.size < batch_info.num_tokens:
             b += 1  # tokens without an adapter read a padding row: make sure there is one
         self.num_blocks, self.block_size = nb, b
@@ -140,10 +141,10 @@ class ControlPlan(BatchPlan):
             return cls(False, groups, None)
         order = slot_order(batch_info)
         perm, counts = order.order[:num_tokens], order.counts[used]
-        ends = np.cumsum(counts).tolist()
+        used_list, counts_list = used.tolist(), counts.tolist()  # (Python ints: NumPy's max costs more here)
         groups = tuple(TokenGroup(s, ranks[s], scalings[s], end - n, end)
-                       for s, n, end in zip(used.tolist(), counts.tolist(), ends))
-        if used.size * int(counts.max()) <= SLOT_BLOCKS_MAX_PADDING * num_tokens:
+                       for s, n, end in zip(used_list, counts_list, itertools.accumulate(counts_list)))
+        if len(used_list) * max(counts_list) <= SLOT_BLOCKS_MAX_PADDING * num_tokens:
             return cls(True, groups, None, SlotBlocks(batch_info, perm, used, counts))
         return cls(True, groups, torch.from_numpy(perm).to(batch_info.device))
 
