@@ -107,7 +107,8 @@ class KernelTables:
         if operands is None:  # views of the plan's tensors (fixed for its lifetime) and the column ranks
             max_rank, num_slices = key
             ranks, scalings, valid = self._row_ranks_and_scalings()
-            cols = torch.arange(max_rank, device=ranks.device).repeat(num_slices)
+            # the ranks' dtype (int32): comparing int64 columns with them would promote in every refresh
+            cols = torch.arange(max_rank, dtype=ranks.dtype, device=ranks.device).repeat(num_slices)
             operands = self._operands[key] = (cols, ranks[..., None], scalings[..., None],
                                               None if valid is None else valid[..., None])
         cols, ranks, scalings, valid = operands
