@@ -442,9 +442,10 @@ def _check_device(device: torch.device | str) -> torch.device:
     return check_device("device", device)
 
 
-def _host_values(name: str, values: Sequence) -> list:
+def _host_values(name: str, values: Sequence) -> list | tuple:
+    """``values`` as a list or tuple of host numbers, read and never written (so not copied)."""
     if type(values) is list or type(values) is tuple:  # the common case, before the ABC checks below
-        return list(values)
+        return values
     if isinstance(values, torch.Tensor):
         if values.device.type != "cpu":
             raise ValueError(
@@ -462,7 +463,7 @@ def _host_values(name: str, values: Sequence) -> list:
         raise TypeError(f"{name} must be a sequence, got {type(values).__name__}") from None
 
 
-def _int_values(name: str, values: list, minimum: int, maximum: int | None = None) -> list[int]:
+def _int_values(name: str, values: Sequence, minimum: int, maximum: int | None = None) -> Sequence[int]:
     """Fast path for plain ints (the type check runs in C); element-wise checks otherwise."""
     if values and set(map(type, values)) == {int}:
         if min(values) >= minimum and (maximum is None or max(values) <= maximum):
@@ -486,7 +487,7 @@ def _validate_adapters(
     return tuple(ranks), _finite_float32_values(scales)
 
 
-def _finite_float32_values(scales: list) -> tuple[float, ...]:
+def _finite_float32_values(scales: Sequence) -> tuple[float, ...]:
     """Scalings as Python floats, each finite in float32; vectorised for plain floats and ints."""
     if scales and set(map(type, scales)) <= {float, int}:
         try:
@@ -498,7 +499,7 @@ def _finite_float32_values(scales: list) -> tuple[float, ...]:
     return tuple(check_finite_float(f"scalings[{slot}]", scale, float32=True) for slot, scale in enumerate(scales))
 
 
-def _plain_int_array(values: list) -> np.ndarray | None:
+def _plain_int_array(values: Sequence) -> np.ndarray | None:
     """``values`` as int64 when all are plain Python ints that fit (the type check runs in C),
     else ``None``: the caller then checks them one by one, naming the bad one."""
     if not values or set(map(type, values)) != {int}:

@@ -111,7 +111,8 @@ def check_device(name: str, device: object) -> torch.device:
         raise ValueError(f"{name} must be a torch.device or a device string like 'cpu' or 'cuda:0', got {device!r}")
     try:
         resolved = torch.device(device)
-        torch.empty(0, device=resolved)  # a torch build without the device type raises here, not later
+        if resolved.type != "cpu":  # a torch build without the device type raises here, not later
+            torch.empty(0, device=resolved)
     except (RuntimeError, TypeError, ValueError, AssertionError, ImportError, NotImplementedError) as err:
         reason = str(err).splitlines()[0] if str(err) else type(err).__name__
         raise ValueError(f"{name} must be a torch.device or a device string like 'cpu' or 'cuda:0' that this "
