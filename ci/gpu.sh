@@ -8,7 +8,8 @@
 #    already installed changes; the build uses the host's setuptools (>= 68);
 # 3. runs the tests on cuda and cuda-graph (failing, not skipping, if either is absent) and
 #    writes OUTDIR/gpu-report.json; device-less tests run too, except tests/test_install.py,
-#    which builds fresh venvs from a package index that this host cannot reach;
+#    which builds fresh venvs from a package index that this host cannot reach; in
+#    $PYTEST_WORKERS (default 8) processes sharing the GPU where pytest-xdist is installed;
 # 4. runs the op benchmarks, python -m lora_cuda.bench, with JSON in OUTDIR/bench-cuda.json.
 # Exit status: the first failing step's. --dry-run prints each command (shell-quoted, as run)
 # and runs nothing. Merge gpu-report.json with the other hosts' reports: docs/device-matrix.md.
@@ -41,7 +42,9 @@ for pkg in "${PACKAGES[@]}"; do editables+=(-e "packages/$pkg"); done
 run "$PYTHON" -m pip install --no-deps --no-build-isolation --no-index "${editables[@]}"
 [ "$status" = 0 ] || exit "$status"
 run mkdir -p "$out"
-run env TORCH_DEVICE_BACKEND_AUTOLOAD=0 "$PYTHON" -m pytest \
+workers=()
+if "$PYTHON" -c 'import xdist' 2>/dev/null; then workers=(-n "${PYTEST_WORKERS:-8}"); fi
+run env TORCH_DEVICE_BACKEND_AUTOLOAD=0 "$PYTHON" -m pytest "${workers[@]}" \
   --device cuda --device cuda-graph --require-device cuda --require-device cuda-graph \
   --device-report "$out/gpu-report.json" --ignore=tests/test_install.py
 bench=(env TORCH_DEVICE_BACKEND_AUTOLOAD=0 "$PYTHON" -m lora_cuda.bench --json "$out/bench-cuda.json")
