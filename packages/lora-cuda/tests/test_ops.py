@@ -9,6 +9,7 @@ import random
 import pytest
 import torch
 
+from lora_core import build_batch_info
 from lora_core.reference import reference_lora_a, reference_lora_a_embedding, reference_lora_b
 from lora_core.testing import (
     BatchPair,
@@ -84,6 +85,28 @@ def test_decode_batch_of_single_token_requests(device):
     x = torch.randn(48, 64, generator=gen).to(device.torch_device)
     base = torch.randn(48, 64, generator=gen).to(device.torch_device)
     _check_linear(device, pair, a, b, offsets, x, base, torch.float32)
+
+
+@pytest.mark.parametrize("use_graph", [False, True], ids=["eager", "graph"])
+def test_a_batch_built_on_a_device_name_without_index_runs_on_that_devices_tensors(device, use_graph):
+    """Regression: a batch built on "cuda" rejected x on cuda:0 ("the batch info lives on cuda but
+    x is on cuda:0"), and on the CPU one built on "cpu:0" rejected x on cpu: the batch info now
+    keeps the device its tensors report."""
+    kind = device.torch_device.type
+    gen = torch.Generator().manual_seed(0)
+    ranks = [4, 2]
+    a, b, offsets = random_linear_weights(gen, num_slots=2, max_rank=4, in_features=8, slice_widths=[6],
+                                          lora_ranks=ranks, dtype=torch.float32, device=device.torch_device)
+    x = torch.randn(5, 8, generator=gen).to(device.torch_device)
+    base = torch.randn(5, 6, generator=gen).to(device.torch_device)
+    ref = build_batch_info([3, 2], [0, 1], ranks, [1.0, 0.5], device="cpu")
+    expected = base.cpu() + reference_lora_b(reference_lora_a(x.cpu(), a.cpu(), ref), b.cpu(), ref, offsets)
+    for name in (kind, f"{kind}:0", torch.device(kind)):
+        info = build_batch_info([3, 2], [0, 1], ranks, [1.0, 0.5], device=name, use_graph=use_graph,
+                                max_tokens=5 if use_graph else None)
+        assert info.device == x.device and info.seg_lens.device == x.device
+        out = sgemm_lora_b_fwd(sgemm_lora_a_fwd(x, a, info), b, info, offsets, base.clone())
+        assert_close_to_reference(out, expected, torch.float32)
 
 
 @pytest.mark.parametrize("graph_kernel", ["auto", "blocked"])

@@ -15,6 +15,7 @@ from typing import Sequence
 import torch
 
 from .batch_info import BatchInfo, build_batch_info
+from .checks import check_device
 from .plans import BatchPlan
 from .validation import check_added_token_inputs, normalize_slice_offsets
 
@@ -211,7 +212,7 @@ class BatchInfoBackend(LoRABackend):
     """
 
     def __init__(self, device: torch.device | str = "cpu", *, strict_token_ids: bool = False) -> None:
-        self.device = torch.device(device)
+        self.device = check_device("device", device)
         self.strict_token_ids = bool(strict_token_ids)
         self._batch_info: BatchInfo | None = None
 

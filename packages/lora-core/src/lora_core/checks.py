@@ -105,14 +105,20 @@ def allocating(what: str, fn: Callable[[], T]) -> T:
 
 
 def check_device(name: str, device: object) -> torch.device:
-    """``device`` as a ``torch.device`` this process can allocate on, or ``ValueError`` naming
-    ``name`` (an unknown device string, a device type this torch build lacks, an absent index)."""
+    """``device`` as the ``torch.device`` that tensors allocated on it report, or ``ValueError``
+    naming ``name`` (an unknown device string, a device type this torch build lacks, an absent index).
+
+    The result compares equal to ``tensor.device`` for every tensor made on ``device``: ``"cuda"``
+    resolves to the current CUDA device (``cuda:0`` unless another is current), ``"cpu:0"`` to ``cpu``.
+    """
     if isinstance(device, (bool, np.bool_)):
         raise ValueError(f"{name} must be a torch.device or a device string like 'cpu' or 'cuda:0', got {device!r}")
     try:
         resolved = torch.device(device)
-        if resolved.type != "cpu":  # a torch build without the device type raises here, not later
-            torch.empty(0, device=resolved)
+        if resolved.type == "cpu":
+            return torch.device("cpu")  # (CPU tensors report no index)
+        # where tensors asked for on it land; a torch build without the device type raises here, not later
+        resolved = torch.empty(0, device=resolved).device
     except (RuntimeError, TypeError, ValueError, AssertionError, ImportError, NotImplementedError) as err:
         reason = str(err).splitlines()[0] if str(err) else type(err).__name__
         raise ValueError(f"{name} must be a torch.device or a device string like 'cpu' or 'cuda:0' that this "
