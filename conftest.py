@@ -2,8 +2,9 @@
 
 A test that takes the ``device`` fixture runs once per device parameter in
 ``lora_core.testing.DEVICE_NAMES``. Absent hardware is skipped with the probe's
-reason; ``--device X`` (repeatable) keeps only those parameters, and
-``--require-device X`` turns X's skip into a failure for hardware runners.
+reason; ``--device X`` (repeatable) keeps only those parameters,
+``--require-device X`` turns X's skip into a failure for hardware runners, and
+``--device-tests-only`` leaves out the tests that take no device.
 """
 
 from __future__ import annotations
@@ -33,6 +34,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--require-device", action="append", default=[], choices=DEVICE_NAMES,
         help="fail instead of skipping when this device is absent (repeatable)",
     )
+    group.addoption(
+        "--device-tests-only", action="store_true", default=False,
+        help="deselect the tests without a device parameter (a hardware host runs what CPU runners cannot)",
+    )
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
@@ -50,13 +55,18 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     selected = set(config.getoption("--device")) | set(config.getoption("--require-device"))
-    if not selected:
+    device_tests_only = config.getoption("--device-tests-only")
+    if not selected and not device_tests_only:
         return
     keep, drop = [], []
     for item in items:
         callspec = getattr(item, "callspec", None)
         name = callspec.params.get("device") if callspec else None
-        (drop if name is not None and name not in selected else keep).append(item)
+        if name is None:
+            dropped = device_tests_only
+        else:
+            dropped = bool(selected) and name not in selected
+        (drop if dropped else keep).append(item)
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep

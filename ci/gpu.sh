@@ -6,10 +6,11 @@
 # 2. installs the four packages into that python ($PYTHON, default python3), editable, with
 #    pip install --no-deps --no-build-isolation --no-index: nothing is downloaded, nothing
 #    already installed changes; the build uses the host's setuptools (>= 68);
-# 3. runs the tests on cuda and cuda-graph (failing, not skipping, if either is absent) and
-#    writes OUTDIR/gpu-report.json; device-less tests run too, except tests/test_install.py,
-#    which builds fresh venvs from a package index that this host cannot reach; in
-#    $PYTEST_WORKERS (default 8) processes sharing the GPU where pytest-xdist is installed;
+# 3. runs the tests' cuda and cuda-graph parameters (failing, not skipping, if either is absent)
+#    and writes OUTDIR/gpu-report.json; the tests without a device are the CPU runners' and are
+#    left out (--device-tests-only), as is tests/test_install.py, which builds fresh venvs from
+#    a package index that this host cannot reach; in $PYTEST_WORKERS (default 8) processes
+#    sharing the GPU where pytest-xdist is installed;
 # 4. runs the op benchmarks, python -m lora_cuda.bench, with JSON in OUTDIR/bench-cuda.json.
 # Exit status: the first failing step's. --dry-run prints each command (shell-quoted, as run)
 # and runs nothing. Merge gpu-report.json with the other hosts' reports: docs/device-matrix.md.
@@ -45,7 +46,7 @@ run mkdir -p "$out"
 workers=()
 if "$PYTHON" -c 'import xdist' 2>/dev/null; then workers=(-n "${PYTEST_WORKERS:-8}"); fi
 run env TORCH_DEVICE_BACKEND_AUTOLOAD=0 "$PYTHON" -m pytest "${workers[@]}" \
-  --device cuda --device cuda-graph --require-device cuda --require-device cuda-graph \
+  --device cuda --device cuda-graph --require-device cuda --require-device cuda-graph --device-tests-only \
   --device-report "$out/gpu-report.json" --ignore=tests/test_install.py
 bench=(env TORCH_DEVICE_BACKEND_AUTOLOAD=0 "$PYTHON" -m lora_cuda.bench --json "$out/bench-cuda.json")
 if grep -q -- '"--device"' packages/lora-cuda/src/lora_cuda/bench.py; then

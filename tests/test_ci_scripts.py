@@ -72,6 +72,7 @@ def test_gpu_dry_run_pytest_requires_cuda_and_cuda_graph_and_writes_a_report(gpu
     for pair in [("--device", "cuda"), ("--device", "cuda-graph"), ("--require-device", "cuda"),
                  ("--require-device", "cuda-graph"), ("--device-report", str(out / "gpu-report.json"))]:
         assert pair in pairs, f"{pair} missing from {args}"
+    assert "--device-tests-only" in args  # the device-less tests are the CPU runners
     ignored = [a.split("=", 1)[1] for a in args if a.startswith("--ignore=")]
     assert ignored == ["tests/test_install.py"] and (ROOT / ignored[0]).is_file()
     # pytest itself parses the exact argument list: every option and choice exists in conftest.py

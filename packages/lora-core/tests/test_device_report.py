@@ -224,3 +224,15 @@ def test_a_pytest_run_that_exited_non_zero_fails_the_merge(tmp_path):
 ])
 def test_strip_device_id(nodeid, device_name, key):
     assert strip_device_id(nodeid, device_name) == key
+
+
+def test_device_tests_only_leaves_out_the_tests_without_a_device(project):
+    """``--device-tests-only`` (a hardware host's run) keeps each device test's selected parameters
+    and deselects the device-less tests, which the CPU runners run."""
+    run = _pytest(project, "test_tiny.py", "--device", "cpu", "--device-tests-only", "--collect-only", "-q")
+    assert run.returncode == 0, run.stdout + run.stderr
+    collected = [line for line in run.stdout.splitlines() if "::" in line]
+    assert collected == ["test_tiny.py::test_on_every_device[cpu]", "test_tiny.py::test_with_a_second_parameter[cpu-1]",
+                         "test_tiny.py::test_with_a_second_parameter[cpu-2]"]
+    # the other devices' 3 parameters each, and the 2 tests without a device
+    assert f"{(len(DEVICE_NAMES) - 1) * 3 + 2} deselected" in run.stdout
