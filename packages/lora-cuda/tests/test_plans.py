@@ -2,12 +2,14 @@
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
 from lora_core import build_batch_info
 from lora_core.testing import make_batch_info, random_requests
 from lora_cuda import BlockPlan, ControlPlan, SortedPlan, TorchNativeBackend
+from lora_cuda.slot_order import place_in_blocks
 
 
 def test_segment_plan_lists_active_segments_in_batch_order():
@@ -90,6 +92,17 @@ def _check_static_plans(info, ranks):
         assert all(token_slots[t] == int(blocks.block_slots[j]) for t in members)
         assert int(blocks.block_ranks[j]) == (ranks[token_slots[members[0]]] if members else int(blocks.block_ranks[j]))
     assert sorted(seen) == [t for t, s in enumerate(token_slots) if s >= 0 and ranks[s] > 0]
+    # a slot's rows in row order through its blocks; padding cells hold row 0; each row's cell
+    # in token_rows, the first padding cell for the rows without an adapter
+    cells, filled = blocks.block_tokens.tolist(), valid.reshape(-1).tolist()
+    assert all(row == 0 for row, f in zip(cells, filled) if not f)
+    cell_slots = blocks.block_slots.repeat_interleave(blocks.block_size).tolist()
+    for slot in set(cell_slots):
+        rows = [row for row, f, s in zip(cells, filled, cell_slots) if f and s == slot]
+        assert rows == sorted(rows)
+    padding = filled.index(False)
+    position = {row: j for j, row in enumerate(cells) if filled[j]}
+    assert blocks.token_rows.tolist() == [position.get(t, padding) for t in range(len(token_slots))]
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -229,7 +242,7 @@ def test_block_kernel_operands_kept_per_call_shape_follow_rows_layers_and_refill
                 torch.testing.assert_close(out, reference_lora_b(y, b, info, offsets))
 
 
-def test_slot_blocks_equal_their_definition_on_random_decode_batches():
+def test_slot_blocks_equal_their_definition_on_random_short_request_batches():
     """Blocks in slot order, each slot's tokens in row order from the block's start; tokens
     without an adapter point at the first padding cell (one is added when the blocks are full)."""
     rng = random.Random(5)
@@ -238,15 +251,17 @@ def test_slot_blocks_equal_their_definition_on_random_decode_batches():
         num_slots = rng.randint(1, 5)
         ranks = [rng.choice([0, 2, 4]) for _ in range(num_slots)]
         slot_ids = [rng.choice([None, *range(num_slots)]) for _ in range(rng.randint(1, 24))]
-        info = build_batch_info([1] * len(slot_ids), slot_ids, ranks, [1.0] * num_slots, device="cpu")
+        seq_lens = [rng.choice([1, 1, 1, 2, 3]) for _ in slot_ids]  # mostly decode, some short requests
+        info = build_batch_info(seq_lens, slot_ids, ranks, [1.0] * num_slots, device="cpu")
         blocks = info.plan(ControlPlan).slot_blocks
         if blocks is None:
             continue
         checked += 1
-        tokens = {s: [t for t, slot in enumerate(slot_ids) if slot == s] for s in range(num_slots) if ranks[s]}
+        token_slots = [slot for slot, n in zip(slot_ids, seq_lens) for _ in range(n)]
+        tokens = {s: [t for t, slot in enumerate(token_slots) if slot == s] for s in range(num_slots) if ranks[s]}
         tokens = {s: ts for s, ts in tokens.items() if ts}
         b, active = max(map(len, tokens.values())), sum(map(len, tokens.values()))
-        if len(tokens) * b == active < len(slot_ids):
+        if len(tokens) * b == active < len(token_slots):
             b += 1
         assert (blocks.num_blocks, blocks.block_size) == (len(tokens), b)
         assert blocks.block_slots.tolist() == sorted(tokens)
@@ -255,5 +270,13 @@ def test_slot_blocks_equal_their_definition_on_random_decode_batches():
         assert blocks.block_tokens.tolist() == [0 if c is None else c for c in cells]
         padding = next((i for i, c in enumerate(cells) if c is None), 0)
         assert blocks.token_rows.tolist() == [cells.index(t) if t in cells else padding
-                                              for t in range(len(slot_ids))]
+                                              for t in range(len(token_slots))]
     assert checked > 20
+
+
+def test_place_in_blocks_refuses_blocks_without_a_padding_cell_for_the_other_rows():
+    """A row without an adapter must read a padding cell; with every cell filled it would read
+    another row's delta, so the layout is refused instead."""
+    with pytest.raises(ValueError, match="valid has no padding cell for the 1 rows not in rows"):
+        place_in_blocks(np.ones((1, 2), dtype=bool), np.array([0, 2]), np.empty(2, dtype=np.int64),
+                        np.empty(3, dtype=np.int64))

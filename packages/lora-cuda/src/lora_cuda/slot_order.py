@@ -100,7 +100,12 @@ def place_in_blocks(valid: np.ndarray, rows: np.ndarray, block_tokens: np.ndarra
     Two scatters, no sort: each row's cell is its rank among the true cells.
     """
     cells = np.flatnonzero(valid)
+    padding = 0
+    if cells.size < token_rows.size:  # rows without an adapter read the first padding cell
+        padding = int(np.argmin(valid))
+        if valid.flat[padding]:
+            raise ValueError(f"valid has no padding cell for the {token_rows.size - cells.size} rows not in rows")
     block_tokens.fill(0)
     block_tokens[cells] = rows
-    token_rows.fill(int(np.argmin(valid)) if cells.size < token_rows.size else 0)
+    token_rows.fill(padding)
     token_rows[rows] = cells
