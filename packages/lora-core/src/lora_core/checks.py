@@ -108,8 +108,9 @@ def check_device(name: str, device: object) -> torch.device:
     """``device`` as the ``torch.device`` that tensors allocated on it report, or ``ValueError``
     naming ``name`` (an unknown device string, a device type this torch build lacks, an absent index).
 
-    The result compares equal to ``tensor.device`` for every tensor made on ``device``: ``"cuda"``
-    resolves to the current CUDA device (``cuda:0`` unless another is current), ``"cpu:0"`` to ``cpu``.
+    The result compares equal to ``tensor.device`` for every tensor made on ``device`` while the
+    current CUDA device stays what it was: ``"cuda"`` resolves to the current CUDA device
+    (``cuda:0`` unless another is current), any CPU name to ``cpu``.
     """
     if isinstance(device, (bool, np.bool_)):
         raise ValueError(f"{name} must be a torch.device or a device string like 'cpu' or 'cuda:0', got {device!r}")

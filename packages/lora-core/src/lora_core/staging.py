@@ -85,6 +85,7 @@ class StagedTensors:
 
     def __init__(self, fields: FieldSpecs, device: torch.device, *, double_buffered: bool = False) -> None:
         self._pin = device.type == "cuda" and torch.cuda.is_available()
+        self._device = device
         count = 2 if double_buffered else 1
         self._events: list[torch.cuda.Event | None] = [None] * count
         self._next = 0
@@ -156,7 +157,7 @@ class StagedTensors:
             self._device_buffer.copy_(self._buffers[self._next], non_blocking=self._pin)
         if self._pin:
             event = torch.cuda.Event()
-            event.record()
+            event.record(torch.cuda.current_stream(self._device))  # the copy's stream, whatever device is current
             self._events[self._next] = event
         self.published = self._host_views[self._next]
         self._next = (self._next + 1) % len(self._host_arrays)
