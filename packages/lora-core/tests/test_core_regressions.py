@@ -291,3 +291,15 @@ def test_a_null_use_rslora_is_peft_default_false(tmp_path):
     adapter = load_peft_adapter(tmp_path)
     assert adapter.use_rslora is False
     assert adapter.modules["fc"].scaling == pytest.approx(4 / 2)
+
+
+def test_the_callers_lists_are_read_never_written():
+    """Validation reads the caller's lists without copying them: building, refilling and
+    updating adapters must leave them as they were."""
+    seq_lens, slot_ids, ranks, scalings = [2, 0, 1, 3], [0, None, -1, 1], [2, 3], [1.0, 0.5]
+    given = [list(seq_lens), list(slot_ids), list(ranks), list(scalings)]
+    info = build_batch_info(seq_lens, slot_ids, ranks, scalings, device="cpu", use_graph=True, max_tokens=8)
+    info.refill(seq_lens, slot_ids)
+    info.set_adapters(ranks, scalings)
+    build_batch_info(tuple(seq_lens), tuple(slot_ids), tuple(ranks), tuple(scalings), device="cpu")
+    assert [seq_lens, slot_ids, ranks, scalings] == given

@@ -119,3 +119,14 @@ def test_a_backend_instance_must_live_where_the_model_does():
         MultiLoRA(model, ["q_proj"], backend=TorchNativeBackend("meta"))
     mlora = MultiLoRA(model, ["q_proj"], backend=TorchNativeBackend("cpu", graph_kernel="blocked"))
     assert mlora.backend.graph_kernel == "blocked"
+
+
+@pytest.mark.parametrize("name", ["cpu", "cpu:0", torch.device("cpu", 0)], ids=str)
+def test_every_name_of_a_device_resolves_to_the_device_its_tensors_report(name):
+    """The backend, the layers' context and MultiLoRA keep the device tensors made there report
+    (``cpu`` for ``cpu:0``; ``cuda:0`` for ``cuda`` on a GPU host), so nothing compares unequal."""
+    backend = TorchNativeBackend(name)
+    ctx = LoRAContext(backend, num_slots=2, max_rank=4, dtype=torch.float32, device=name)
+    mlora = MultiLoRA(TinyDecoder(CONFIG), ["q_proj"], backend=backend, device=name)
+    tensor_device = torch.empty(0, device=name).device
+    assert backend.device == ctx.device == mlora.context.device == tensor_device

@@ -33,6 +33,7 @@ from lora_core import (
     slice_offsets_from_widths,
 )
 from lora_core.adapter_config import matched_modules
+from lora_core.checks import check_device
 from lora_core.adapters import LoRAModuleWeights
 
 from .layers import EmbeddingWithLoRA, LinearWithLoRA, LoRAContext, WrapTarget, is_conv1d, wrap_module
@@ -109,7 +110,8 @@ class MultiLoRA:
         if isinstance(target_modules, str):
             raise TypeError(f"target_modules must be a list of names, got the string {target_modules!r}")
         param = next(model.parameters(), None)
-        device = torch.device(device) if device is not None else (param.device if param is not None else torch.device("cpu"))
+        device = check_device("device", device) if device is not None else (
+            param.device if param is not None else torch.device("cpu"))
         dtype = dtype or (param.dtype if param is not None else torch.float32)
         self.model = model
         self.slots = AdapterSlots(max_loras, max_rank)

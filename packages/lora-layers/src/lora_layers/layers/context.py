@@ -9,6 +9,7 @@ from typing import Callable, TypeVar
 import torch
 
 from lora_core import LoRABackend
+from lora_core.checks import check_device
 
 __all__ = ["LoRAContext", "WrapTarget", "flatten_tokens", "inference_forward"]
 
@@ -33,7 +34,7 @@ class LoRAContext:
         self.num_slots = num_slots
         self.max_rank = max_rank
         self.dtype = dtype
-        self.device = torch.device(device)
+        self.device = check_device("device", device)
         self.strict_token_ids = bool(strict_token_ids)
 
 
