@@ -45,7 +45,7 @@ run "$PYTHON" -m pip install --no-deps --no-build-isolation --no-index "${editab
 run mkdir -p "$out"
 workers=()
 if "$PYTHON" -c 'import xdist' 2>/dev/null; then workers=(-n "${PYTEST_WORKERS:-8}"); fi
-run env TORCH_DEVICE_BACKEND_AUTOLOAD=0 "$PYTHON" -m pytest "${workers[@]}" \
+run env TORCH_DEVICE_BACKEND_AUTOLOAD=0 "$PYTHON" -m pytest ${workers[@]+"${workers[@]}"} \
   --device cuda --device cuda-graph --require-device cuda --require-device cuda-graph --device-tests-only \
   --device-report "$out/gpu-report.json" --ignore=tests/test_install.py
 bench=(env TORCH_DEVICE_BACKEND_AUTOLOAD=0 "$PYTHON" -m lora_cuda.bench --json "$out/bench-cuda.json")
