@@ -10,7 +10,8 @@
 #    and writes OUTDIR/gpu-report.json; the tests without a device are the CPU runners' and are
 #    left out (--device-tests-only), as is tests/test_install.py, which builds fresh venvs from
 #    a package index that this host cannot reach; in $PYTEST_WORKERS (default 8) processes
-#    sharing the GPU where pytest-xdist is installed;
+#    sharing the GPU where pytest-xdist is installed; stopping after $PYTEST_MAXFAIL (default
+#    20) failures, so that a failure every test shares ends the run early, its tracebacks printed;
 # 4. runs the op benchmarks, python -m lora_cuda.bench, with JSON in OUTDIR/bench-cuda.json.
 # Exit status: the first failing step's. --dry-run prints each command (shell-quoted, as run)
 # and runs nothing. Merge gpu-report.json with the other hosts' reports: docs/device-matrix.md.
@@ -46,6 +47,7 @@ run mkdir -p "$out"
 workers=()
 if "$PYTHON" -c 'import xdist' 2>/dev/null; then workers=(-n "${PYTEST_WORKERS:-8}"); fi
 run env TORCH_DEVICE_BACKEND_AUTOLOAD=0 "$PYTHON" -m pytest ${workers[@]+"${workers[@]}"} \
+  --maxfail "${PYTEST_MAXFAIL:-20}" \
   --device cuda --device cuda-graph --require-device cuda --require-device cuda-graph --device-tests-only \
   --device-report "$out/gpu-report.json" --ignore=tests/test_install.py
 bench=(env TORCH_DEVICE_BACKEND_AUTOLOAD=0 "$PYTHON" -m lora_cuda.bench --json "$out/bench-cuda.json")
