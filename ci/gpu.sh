@@ -12,7 +12,9 @@
 #    a package index that this host cannot reach; in $PYTEST_WORKERS (default 8) processes
 #    sharing the GPU where pytest-xdist is installed; stopping after $PYTEST_MAXFAIL (default
 #    20) failures, so that a failure every test shares ends the run early, its tracebacks printed;
-# 4. runs the op benchmarks, python -m lora_cuda.bench, with JSON in OUTDIR/bench-cuda.json.
+# 4. runs the op benchmarks, python -m lora_cuda.bench, with JSON in OUTDIR/bench-cuda.json, and
+#    the planning benchmark for batches on the GPU, python -m lora_cuda.bench_planning --device
+#    cuda, with JSON in OUTDIR/bench-planning-cuda.json.
 # Exit status: the first failing step's. --dry-run prints each command (shell-quoted, as run)
 # and runs nothing. Merge gpu-report.json with the other hosts' reports: docs/device-matrix.md.
 # CI never runs this script for real (tests/test_ci_scripts.py checks the dry run).
@@ -57,4 +59,6 @@ else
   echo "ci/gpu.sh: note: python -m lora_cuda.bench has no --device option, so its timings are of CPU tensors"
 fi
 run "${bench[@]}"
+run env TORCH_DEVICE_BACKEND_AUTOLOAD=0 "$PYTHON" -m lora_cuda.bench_planning --device cuda \
+  --json "$out/bench-planning-cuda.json"
 exit "$status"

@@ -106,6 +106,18 @@ def test_gpu_dry_run_benchmarks_lora_cuda_with_options_it_has(gpu_commands):
         assert ("--device", "cuda") in list(zip(bench, bench[1:]))
 
 
+def test_gpu_dry_run_benchmarks_planning_for_batches_on_the_gpu(gpu_commands):
+    out, commands, _ = gpu_commands
+    planning = _strip_env(_command(commands, "lora_cuda.bench_planning"))
+    assert planning[:3] == [sys.executable, "-m", "lora_cuda.bench_planning"]
+    pairs = list(zip(planning, planning[1:]))
+    assert ("--device", "cuda") in pairs and ("--json", str(out / "bench-planning-cuda.json")) in pairs
+    help_text = subprocess.run([sys.executable, "-m", "lora_cuda.bench_planning", "--help"], capture_output=True,
+                               text=True, env=_env(), timeout=300, check=True).stdout
+    for option in (a for a in planning[3:] if a.startswith("--")):
+        assert option in help_text, f"lora_cuda.bench_planning has no {option} option"
+
+
 def test_gpu_dry_run_checks_for_a_cuda_torch_first(gpu_commands):
     _, commands, _ = gpu_commands
     check = commands[0]

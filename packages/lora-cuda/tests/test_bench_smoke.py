@@ -73,3 +73,25 @@ def test_benchmarks_time_with_the_threads_they_report(monkeypatch):
     finally:
         torch.set_num_threads(threads)
     assert seen and set(seen) == {2}
+
+
+def test_planning_benchmark_plans_batches_on_each_device(device):
+    from lora_cuda import bench_planning
+
+    name = str(device.torch_device)
+    decode = bench_planning.run_case(bench_planning.smoke_cases()[0], min_run_time=0.001, rounds=1, hidden=16,
+                                     device=name)
+    assert decode.device == name and decode.refill_vs_layer is not None
+    assert f"host planning of batches on {name}" in bench_planning.format_table([decode])
+
+
+def test_planning_benchmark_rejects_a_device_it_cannot_use_in_one_line(capsys):
+    import pytest
+
+    from lora_cuda import bench_planning
+
+    with pytest.raises(SystemExit) as exit_info:
+        bench_planning.main(["--smoke", "--device", "no-such-device"])
+    assert exit_info.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("python -m lora_cuda.bench_planning: error: --device must be a torch.device")

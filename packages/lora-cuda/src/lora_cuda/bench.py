@@ -26,6 +26,7 @@ import torch
 from torch.utils import benchmark
 
 from lora_core import BatchInfo
+from lora_core.checks import check_device
 from lora_core.testing import make_batch_info, random_linear_weights
 from lora_core.testing.timing import Spread, apply_threads, benchmark_parser, format_spread, machine_info
 
@@ -196,9 +197,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     apply_threads(args.threads)
     try:
-        torch.empty(0, device=args.device)
-    except (RuntimeError, AssertionError) as err:
-        parser.error(f"--device {args.device!r} is not usable here: {err}")
+        args.device = str(check_device("--device", args.device))
+    except ValueError as err:
+        parser.error(str(err))
     cases = smoke_cases() if args.smoke else default_cases()
     min_run_time = 0.01 if args.smoke else args.min_run_time
     results = [run_case(c, min_run_time=min_run_time, device=args.device, rounds=3 if args.smoke else args.rounds)

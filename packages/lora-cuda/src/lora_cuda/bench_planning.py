@@ -16,7 +16,8 @@ and, at decode shapes, the ratio of the refill to one LoRA layer's graph-safe
 shrink + expand (``h = out = 2048``, ``R = 16``) on the same batch.
 
 Run ``python -m lora_cuda.bench_planning`` (or ``lora-sim bench``); ``--smoke``
-for a quick check. Never run as a timed test.
+for a quick check; ``--device cuda`` plans batches for a GPU (each timing then
+includes the uploads and waits for the device). Never run as a timed test.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import torch
 from torch.utils import benchmark
 
 from lora_core import build_batch_info
+from lora_core.checks import check_device
 from lora_core.testing import random_linear_weights
 from lora_core.testing.timing import Spread, apply_threads, benchmark_parser, format_spread, machine_info
 
@@ -70,6 +72,7 @@ class PlanningResult:
     layer_us: Spread | None
     """one LoRA layer's graph-safe shrink + expand at this batch (decode shapes only)"""
     refill_vs_layer: Spread | None
+    device: str = "cpu"
 
 
 def default_cases() -> list[PlanningCase]:
@@ -89,18 +92,20 @@ def _us(fn: Callable[[], object], min_run_time: float) -> float:
     return timer.blocked_autorange(min_run_time=min_run_time).median * 1e6
 
 
-def run_case(case: PlanningCase, *, min_run_time: float = 0.5, rounds: int = 7, hidden: int = 2048) -> PlanningResult:
-    """Time the planning variants of ``case`` (and one layer at decode) in interleaved rounds."""
+def run_case(case: PlanningCase, *, min_run_time: float = 0.5, rounds: int = 7, hidden: int = 2048,
+             device: str = "cpu") -> PlanningResult:
+    """Time the planning variants of ``case`` (and one layer at decode) for batches on ``device``,
+    in interleaved rounds."""
     lens, slots = case.batch()
     ranks, scalings = [case.max_rank] * case.num_slots, [1.0] * case.num_slots
     T = case.num_tokens
 
     def eager_build() -> None:
-        TorchNativeBackend("cpu").prepare_batch(build_batch_info(lens, slots, ranks, scalings, device="cpu"))
+        TorchNativeBackend(device).prepare_batch(build_batch_info(lens, slots, ranks, scalings, device=device))
 
     def graph_build():
-        info = build_batch_info(lens, slots, ranks, scalings, device="cpu", use_graph=True, max_tokens=T)
-        TorchNativeBackend("cpu").prepare_batch(info)
+        info = build_batch_info(lens, slots, ranks, scalings, device=device, use_graph=True, max_tokens=T)
+        TorchNativeBackend(device).prepare_batch(info)
         return info
 
     info = graph_build()
@@ -111,8 +116,8 @@ def run_case(case: PlanningCase, *, min_run_time: float = 0.5, rounds: int = 7, 
         gen = torch.Generator().manual_seed(0)
         a, b, offsets = random_linear_weights(gen, num_slots=case.num_slots, max_rank=case.max_rank,
                                               in_features=hidden, slice_widths=[hidden], lora_ranks=ranks,
-                                              dtype=torch.float32, device="cpu", garbage=None)
-        x, base = torch.randn(T, hidden, generator=gen), torch.zeros(T, hidden)
+                                              dtype=torch.float32, device=device, garbage=None)
+        x, base = torch.randn(T, hidden, generator=gen).to(device), torch.zeros(T, hidden, device=device)
         variants["layer"] = lambda: sgemm_lora_b_fwd(sgemm_lora_a_fwd(x, a, info), b, info, offsets, base)
     samples: dict[str, list[float]] = {name: [] for name in variants}
     with torch.no_grad():
@@ -125,15 +130,18 @@ def run_case(case: PlanningCase, *, min_run_time: float = 0.5, rounds: int = 7, 
     return PlanningResult(
         case.name, Spread.of(samples["eager_build"]), Spread.of(samples["graph_build"]), Spread.of(samples["refill"]),
         Spread.of(layer) if layer else None,
-        Spread.of([r / k for r, k in zip(samples["refill"], layer)]) if layer else None,
+        Spread.of([r / k for r, k in zip(samples["refill"], layer)]) if layer else None, str(device),
     )
 
 
 def format_table(results: Sequence[PlanningResult]) -> str:
     m = machine_info()
+    devices = sorted({r.device for r in results})
+    where = ", ".join(f"{d} ({m['cuda_device']})" if d.startswith("cuda") and "cuda_device" in m else d
+                      for d in devices)
     lines = [
-        f"{m['cpu']} ({m['cpu_count']} cores), torch {m['torch']}, {m['threads']} threads; host planning, "
-        "microseconds, median (min–max) over interleaved rounds",
+        f"{m['cpu']} ({m['cpu_count']} cores), torch {m['torch']}, {m['threads']} threads; host planning of "
+        f"batches on {where}, microseconds, median (min–max) over interleaved rounds",
         "",
         "| batch | eager build | graph build | graph refill | one layer (graph) | refill / layer |",
         "|---|---:|---:|---:|---:|---:|",
@@ -149,11 +157,16 @@ def format_table(results: Sequence[PlanningResult]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = benchmark_parser("python -m lora_cuda.bench_planning", __doc__.split("\n\n")[0], min_run_time=0.5)
+    parser.add_argument("--device", default="cpu", help="where the batches live (default cpu; e.g. cuda)")
     args = parser.parse_args(argv)
     apply_threads(args.threads)
+    try:
+        device = str(check_device("--device", args.device))
+    except ValueError as err:
+        parser.error(str(err))
     smoke = args.smoke
     results = [run_case(c, min_run_time=0.01 if smoke else args.min_run_time, rounds=3 if smoke else args.rounds,
-                        hidden=64 if smoke else 2048)
+                        hidden=64 if smoke else 2048, device=device)
                for c in (smoke_cases() if smoke else default_cases())]
     print(format_table(results))
     if args.json:
