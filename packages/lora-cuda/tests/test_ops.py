@@ -20,6 +20,8 @@ from lora_core.testing import (
     random_ranks,
 )
 from lora_cuda import sgemm_lora_a_embedding_fwd, sgemm_lora_a_fwd, sgemm_lora_b_fwd
+from lora_cuda.graph_ops import graph_kernel
+from lora_cuda.graph_plans import CHUNK_ROWS
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -84,6 +86,33 @@ def test_decode_batch_of_single_token_requests(device):
                                           lora_ranks=ranks, dtype=torch.float32, device=device.torch_device)
     x = torch.randn(48, 64, generator=gen).to(device.torch_device)
     base = torch.randn(48, 64, generator=gen).to(device.torch_device)
+    _check_linear(device, pair, a, b, offsets, x, base, torch.float32)
+
+
+def _requests(rng, num_tokens, num_slots):
+    """Requests of 1 to 60 tokens over every slot and none, ``num_tokens`` in all."""
+    lens = []
+    while sum(lens) < num_tokens:
+        lens.append(min(rng.randint(1, 60), num_tokens - sum(lens)))
+    return lens, [rng.choice([None, *range(num_slots)]) for _ in lens]
+
+
+@pytest.mark.parametrize("num_slices", [1, 3])
+def test_batches_of_several_grouped_kernel_chunks(device, num_slices):
+    # on CPU the grouped kernel works in chunks of CHUNK_ROWS sorted rows, each slot's group cut at the
+    # chunk boundaries; mixed ranks (rank 0, slot -1), captured on one batch, replayed on another
+    rng = random.Random(num_slices)
+    T, ranks = 2 * CHUNK_ROWS + 37, [8, 3, 0, 5]
+    pair = BatchPair(ranks, _requests(rng, T, 4), _requests(rng, T, 4))
+    widths = [24, 8, 16][:num_slices]  # 16-byte aligned fp32 strides: the grouped kernel's sizes
+    gen = torch.Generator().manual_seed(num_slices)
+    a, b, offsets = random_linear_weights(gen, num_slots=4, max_rank=8, in_features=32, slice_widths=widths,
+                                          lora_ranks=ranks, dtype=torch.float32, device=device.torch_device)
+    x = torch.randn(T, 32, generator=gen).to(device.torch_device)
+    base = torch.randn(T, offsets[-1], generator=gen).to(device.torch_device)
+    info = build_batch_info(*pair.batch_a, ranks, [1.0] * 4, device="cpu", use_graph=True, max_tokens=T)
+    assert graph_kernel(info, T, a, 32, a.shape[1]) == "grouped"  # where the device runs graph ops on CPU
+    assert graph_kernel(info, T, b, *(8, offsets[-1] * 8, *(o * 8 for o in offsets[1:-1]), *offsets[1:])) == "grouped"
     _check_linear(device, pair, a, b, offsets, x, base, torch.float32)
 
 

@@ -9,6 +9,7 @@ import torch
 from lora_core import build_batch_info
 from lora_core.testing import make_batch_info, random_requests
 from lora_cuda import BlockPlan, ControlPlan, SortedPlan, TorchNativeBackend
+from lora_cuda.graph_plans import CHUNK_ROWS
 from lora_cuda.slot_order import place_in_blocks
 
 
@@ -77,7 +78,16 @@ def _check_static_plans(info, ranks):
     token_slots = info.token_slots_cpu.tolist()
     order, ends = _sorted_by_definition(token_slots, ranks)
     assert sorted_plan.sorted_tokens.tolist() == order
-    assert sorted_plan.group_ends.tolist() == ends
+    # chunks of chunk_rows sorted rows; in each, a slot's group ends after the chunk's rows
+    # of that slot's group and of the groups before it
+    group_of = [next(g for g, end in enumerate(ends) if p < end) for p in range(len(order))]
+    starts = range(0, len(order), sorted_plan.chunk_rows) if order else []
+    assert [(c.start, c.stop) for c in sorted_plan.chunks] == [
+        (start, min(start + sorted_plan.chunk_rows, len(order))) for start in starts]
+    assert sorted_plan.group_ends.tolist() == [
+        [sum(1 for g in group_of[c.start : c.stop] if g <= slot) for slot in range(len(ranks))]
+        for c in sorted_plan.chunks]
+    assert [c.tokens.tolist() for c in sorted_plan.chunks] == [order[c.start : c.stop] for c in sorted_plan.chunks]
     assert sorted_plan.sorted_ranks.tolist() == [ranks[token_slots[t]] if token_slots[t] >= 0 else 0 for t in order]
     scalings = info.scalings_cpu.tolist()  # 0 for the rows without an adapter (slot -1 or rank 0)
     assert sorted_plan.sorted_scalings.tolist() == [
@@ -108,7 +118,8 @@ def _check_static_plans(info, ranks):
 @pytest.mark.parametrize("seed", range(6))
 def test_static_plans_match_their_definition_and_refill_in_place(seed):
     rng = random.Random(seed)
-    L, capacity = rng.randint(1, 6), rng.randint(1, 90)
+    L = rng.randint(1, 6)
+    capacity = rng.randint(1, 90) if seed % 2 else rng.randint(CHUNK_ROWS + 1, 3 * CHUNK_ROWS)  # several chunks
     ranks = [rng.choice([0, 1, 4, 8]) for _ in range(L)]
     info = make_batch_info(*random_requests(rng, capacity, L), ranks, device="cpu", use_graph=True)
     TorchNativeBackend("cpu", graph_kernel="grouped").prepare_batch(info)

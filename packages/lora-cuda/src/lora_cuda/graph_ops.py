@@ -8,7 +8,9 @@ the batch info builds on first request and refills in place with the batch:
 
 * **grouped** (``torch._grouped_mm``): tokens sorted by slot (``sorted_tokens``,
   static ``T`` rows) and per-slot group ends; one grouped GEMM against the
-  weight stack as it is, no padding, no weight copies. Used by default where
+  weight stack as it is, no padding, no weight copies, per chunk of sorted rows
+  (one chunk off CPU; on CPU each chunk's gathered rows and delta stay in the
+  caches, :data:`~lora_cuda.graph_plans.CHUNK_ROWS`). Used by default where
   it is known to work: CPU with torch >= 2.9 (all float dtypes), contiguous
   weights and 16-byte aligned strides;
 * **blocked** (fallback everywhere else): each slot's tokens packed into blocks
@@ -123,10 +125,12 @@ def sgemm_lora_a_graph_fwd(
     R = cR // num_slices
     if graph_kernel(batch_info, T, weights, in_features, cR, preference=kernel) == "grouped":
         plan = batch_info.plan(SortedPlan)
-        order = plan.sorted_tokens
         scales, outside = plan.column_tables(R, num_slices)
-        xs = torch.index_select(x, 0, order, out=plan.workspace("rows", (T, in_features), x.dtype, x.device))
-        ys = torch._grouped_mm(xs, weights.transpose(1, 2), offs=plan.group_ends)
+        rows = plan.workspace("rows", (plan.chunk_rows, in_features), x.dtype, x.device)
+        weights_t = weights.transpose(1, 2)
+        parts = [torch._grouped_mm(torch.index_select(x, 0, c.tokens, out=rows[: c.stop - c.start]), weights_t,
+                                   offs=c.group_ends) for c in plan.chunks]
+        ys = parts[0] if len(parts) == 1 else torch.cat(parts)
         ys.mul_(scales).masked_fill_(outside, 0)  # inf*0 beyond a rank is NaN: masked, not multiplied, away
         # every row is in the order once: gather each row's result back (no scatter into zeros)
         return ys.index_select(0, plan.token_rows)
@@ -160,17 +164,15 @@ def sgemm_lora_b_graph_fwd(
     strides = (R, out_total * R, *(o * R for o in slice_offsets[1:-1]), *slice_offsets[1:])
     if graph_kernel(batch_info, T, weights, *strides, preference=kernel) == "grouped":
         plan = batch_info.plan(SortedPlan)
-        order = plan.sorted_tokens
         _, outside = plan.column_tables(R, num_slices)
         # rows without an adapter (rank 0) are zeroed here, so the last group's GEMM gives them 0
-        ys = x.index_select(0, order).masked_fill_(outside, 0)
-        parts = [
-            torch._grouped_mm(ys[:, i * R : (i + 1) * R].contiguous(),
-                              weights[:, slice_offsets[i] : slice_offsets[i + 1]].transpose(1, 2),
-                              offs=plan.group_ends)
-            for i in range(num_slices)
-        ]
-        return out.index_add_(0, order, parts[0] if num_slices == 1 else torch.cat(parts, dim=1))
+        ys = x.index_select(0, plan.sorted_tokens).masked_fill_(outside, 0)
+        ys_slices = [ys] if num_slices == 1 else [ys[:, i * R : (i + 1) * R].contiguous() for i in range(num_slices)]
+        weights_t = [weights[:, slice_offsets[i] : slice_offsets[i + 1]].transpose(1, 2) for i in range(num_slices)]
+        for c in plan.chunks:  # each chunk's delta is added before the next one's is computed
+            parts = [torch._grouped_mm(y[c.start : c.stop], w, offs=c.group_ends) for y, w in zip(ys_slices, weights_t)]
+            out.index_add_(0, c.tokens, parts[0] if num_slices == 1 else torch.cat(parts, dim=1))
+        return out
     return block_expand(x, weights, batch_info.plan(BlockPlan), slice_offsets, out)
 
 

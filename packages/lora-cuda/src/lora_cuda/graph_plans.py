@@ -8,7 +8,9 @@ count, so in graph mode :meth:`refill` rewrites them in place and a captured
 graph replays on the new batch.
 
 * :class:`SortedPlan` (grouped GEMM): every row, active tokens first grouped by
-  slot, then the rows without an adapter, which join the last group with rank 0.
+  slot, then the rows without an adapter, which join the last group with rank 0;
+  on CPU cut into chunks of :data:`CHUNK_ROWS` sorted rows, each with its own
+  group ends, so the kernels gather and scatter a chunk at a time.
 * :class:`BlockPlan` (token blocks): each slot's tokens packed into blocks of
   ``b`` rows, ``NB = ceil(T / b) + L`` blocks, at most one partly filled block
   per slot; padding rows point at token 0 and are invalid.
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import itertools
 import weakref
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -34,10 +37,25 @@ from lora_core.staging import StagedTensors
 from .kernel_tables import KernelTables
 from .slot_order import place_in_blocks, slot_order
 
-__all__ = ["SortedPlan", "BlockPlan", "batch_args", "batch_key", "batch_of_key", "block_size_for",
-           "MIN_BLOCK_SIZE", "MAX_BLOCK_SIZE"]
+__all__ = ["SortedPlan", "SortedChunk", "BlockPlan", "batch_args", "batch_key", "batch_of_key", "block_size_for",
+           "chunk_rows_for", "CHUNK_ROWS", "MIN_BLOCK_SIZE", "MAX_BLOCK_SIZE"]
 
 MIN_BLOCK_SIZE, MAX_BLOCK_SIZE = 8, 256
+
+CHUNK_ROWS = 512
+"""Sorted rows per chunk of the grouped kernels on CPU. A chunk's gathered rows and
+its expand's delta (``512 x 2048`` fp32: 4 MiB each) stay in the caches between the
+gather, the GEMM and the scatter, where a whole prefill batch's (16 MiB each at
+``T = 2048``) go through memory. Measured at prefill ``T = 2048``, ``h = out = 2048``
+fp32, 2 threads (docs/benchmarks.md): 512 rows beat 256 (more, smaller calls,
+each a parallel region) and 1024."""
+
+
+def chunk_rows_for(num_rows: int, device: torch.device) -> int:
+    """Sorted rows per chunk of a :class:`SortedPlan` of ``num_rows`` rows on ``device``:
+    :data:`CHUNK_ROWS` on CPU, all rows (one chunk) elsewhere, where the caches this
+    saves do not decide the cost and every chunk costs kernel launches."""
+    return min(CHUNK_ROWS, num_rows) if device.type == "cpu" else num_rows
 
 
 def block_size_for(num_rows: int, num_slots: int) -> int:
@@ -103,30 +121,53 @@ def batch_args(batch_info: BatchInfo, *tensors: torch.Tensor) -> tuple[int, list
     return key, []
 
 
+class SortedChunk(NamedTuple):
+    """One chunk of a :class:`SortedPlan`: sorted rows ``[start, stop)``."""
+
+    start: int
+    stop: int
+    tokens: torch.Tensor  # (stop - start,) int64: the rows of x, a view of sorted_tokens
+    group_ends: torch.Tensor  # (L,) int32: each slot's group end within the chunk, a row of group_ends
+
+
 class SortedPlan(KernelTables, BatchPlan):
-    """Rows sorted by slot for grouped GEMMs (``rows`` = the batch info's ``num_tokens``).
+    """Rows sorted by slot for grouped GEMMs (``rows`` = the batch info's ``num_tokens``),
+    in ``NC = ceil(rows / chunk_rows)`` chunks of ``chunk_rows`` sorted rows
+    (:func:`chunk_rows_for`; the last chunk may be shorter).
 
     Device tensors: ``sorted_tokens (rows,)`` int64, ``token_rows (rows,)`` int64 (its
     inverse: each row's position in the order), ``sorted_ranks (rows,)`` int32,
     ``sorted_scalings (rows,)`` float32 (0 for rows without an adapter),
-    ``group_ends (L,)`` int32 (end row of each slot's group; the last group also
-    holds the rows without an adapter, so it ends at ``rows``).
+    ``group_ends (NC, L)`` int32: for each chunk, the end of each slot's group counted
+    from the chunk's first row, in ``[0, chunk length]`` (the last group also holds the
+    rows without an adapter, so it ends at the chunk's length). ``chunks``: the
+    :class:`SortedChunk` of each chunk, views of these tensors, fixed for the plan's life.
     """
 
     def __init__(self, batch_info: BatchInfo) -> None:
         super().__init__()
         if batch_info.use_graph:
             batch_key(batch_info)  # for compiled code: see batch_args
-        self.num_rows, L = batch_info.num_tokens, batch_info.num_slots
-        self._positions = np.arange(self.num_rows, dtype=np.int64)
+        self.num_rows = rows = batch_info.num_tokens
+        L = batch_info.num_slots
+        self.chunk_rows = chunk_rows_for(rows, batch_info.device)
+        num_chunks = -(-rows // self.chunk_rows) if rows else 0
+        starts = np.arange(num_chunks, dtype=np.int64) * self.chunk_rows
+        self._chunk_starts = starts[:, None]
+        self._chunk_lens = np.minimum(rows - starts, self.chunk_rows)[:, None]
+        self._positions = np.arange(rows, dtype=np.int64)
         self._staged = StagedTensors(
-            {"sorted_tokens": ((self.num_rows,), torch.int64), "token_rows": ((self.num_rows,), torch.int64),
-             "sorted_ranks": ((self.num_rows,), torch.int32),
-             "sorted_scalings": ((self.num_rows,), torch.float32), "group_ends": ((L,), torch.int32)},
+            {"sorted_tokens": ((rows,), torch.int64), "token_rows": ((rows,), torch.int64),
+             "sorted_ranks": ((rows,), torch.int32),
+             "sorted_scalings": ((rows,), torch.float32), "group_ends": ((num_chunks, L), torch.int32)},
             batch_info.device, double_buffered=batch_info.use_graph,
         )
         (self.sorted_tokens, self.token_rows, self.sorted_ranks, self.sorted_scalings,
          self.group_ends) = self._staged.device.values()
+        self.chunks = tuple(
+            SortedChunk(start, start + n, self.sorted_tokens[start : start + n], self.group_ends[i])
+            for i, (start, n) in enumerate(zip(starts.tolist(), self._chunk_lens[:, 0].tolist()))
+        )
         self.refill(batch_info)
 
     @classmethod
@@ -149,8 +190,9 @@ class SortedPlan(KernelTables, BatchPlan):
         host["sorted_scalings"][:] = order.row_scalings
         ends = host["group_ends"]
         if ends.size:
-            np.cumsum(order.counts, out=ends, dtype=np.int32)
-            ends[-1] = self.num_rows
+            group_ends = np.cumsum(order.counts)
+            group_ends[-1] = self.num_rows
+            np.clip(group_ends[None, :] - self._chunk_starts, 0, self._chunk_lens, out=ends)
         self._staged.upload()
         self._refresh_tables()
 
