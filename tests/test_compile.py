@@ -12,15 +12,12 @@ Inductor compiles the fused TinyDecoder once (slow on CPU: one test).
 
 from __future__ import annotations
 
-import inspect
-
 import shutil
 
 import pytest
 import torch
 import torch._dynamo
 
-import lora_core.validation
 from lora_core import available_backends
 from lora_core.testing import TOLERANCES
 from lora_layers import TinyConfig, TinyDecoder
@@ -36,15 +33,7 @@ BATCHES = [  # (seq_lens, adapters): mixed, padded to CAPACITY rows, a different
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2)
 
-# lora-ascend validates through lora_core.validation while tracing; until that reads no batch content
-# under torch.compile, its compiled code is specialized to the batch's real token count
-_VALIDATION_COMPILE_AWARE = "is_compiling" in inspect.getsource(lora_core.validation)
-BACKENDS = [
-    pytest.param(name, marks=pytest.mark.xfail(
-        name == "ascend" and not _VALIDATION_COMPILE_AWARE, strict=True, raises=torch._dynamo.exc.RecompileError,
-        reason="lora_core.validation reads the real token count while tracing (docs/compile.md)"))
-    for name in available_backends()
-]
+BACKENDS = available_backends()
 NEEDS_CXX = pytest.mark.skipif(not any(shutil.which(c) for c in ("g++", "c++", "clang++")),
                                reason="inductor's CPU code generation needs a C++ compiler")
 
