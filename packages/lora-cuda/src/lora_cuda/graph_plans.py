@@ -192,7 +192,9 @@ class SortedPlan(KernelTables, BatchPlan):
         if ends.size:
             group_ends = np.cumsum(order.counts)
             group_ends[-1] = self.num_rows
-            np.clip(group_ends[None, :] - self._chunk_starts, 0, self._chunk_lens, out=ends)
+            in_chunk = group_ends - self._chunk_starts  # (NC, L); then clipped to [0, chunk length]
+            np.maximum(in_chunk, 0, out=in_chunk)
+            np.minimum(in_chunk, self._chunk_lens, out=ends)  # (np.clip costs 3x these two at decode)
         self._staged.upload()
         self._refresh_tables()
 
