@@ -20,8 +20,9 @@ from lora_core.testing import (
     random_ranks,
 )
 from lora_cuda import sgemm_lora_a_embedding_fwd, sgemm_lora_a_fwd, sgemm_lora_b_fwd
-from lora_cuda.graph_ops import graph_kernel
+from lora_cuda import SortedPlan
 from lora_cuda.graph_plans import CHUNK_ROWS
+from lora_cuda.slot_order import slot_order
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -89,30 +90,48 @@ def test_decode_batch_of_single_token_requests(device):
     _check_linear(device, pair, a, b, offsets, x, base, torch.float32)
 
 
-def _requests(rng, num_tokens, num_slots):
-    """Requests of 1 to 60 tokens over every slot and none, ``num_tokens`` in all."""
-    lens = []
-    while sum(lens) < num_tokens:
-        lens.append(min(rng.randint(1, 60), num_tokens - sum(lens)))
-    return lens, [rng.choice([None, *range(num_slots)]) for _ in lens]
+def _requests_of(rng, rows_per_slot):
+    """Requests of 1 to 60 rows in random order, ``rows_per_slot[slot]`` rows on each slot
+    (``None``: without an adapter)."""
+    requests = []
+    for slot, rows in rows_per_slot.items():
+        while rows:
+            n = min(rng.randint(1, 60), rows)
+            requests.append((n, slot))
+            rows -= n
+    rng.shuffle(requests)
+    return [n for n, _ in requests], [slot for _, slot in requests]
 
 
 @pytest.mark.parametrize("num_slices", [1, 3])
-def test_batches_of_several_grouped_kernel_chunks(device, num_slices):
-    # on CPU the grouped kernel works in chunks of CHUNK_ROWS sorted rows, each slot's group cut at the
-    # chunk boundaries; mixed ranks (rank 0, slot -1), captured on one batch, replayed on another
-    rng = random.Random(num_slices)
-    T, ranks = 2 * CHUNK_ROWS + 37, [8, 3, 0, 5]
-    pair = BatchPair(ranks, _requests(rng, T, 4), _requests(rng, T, 4))
-    widths = [24, 8, 16][:num_slices]  # 16-byte aligned fp32 strides: the grouped kernel's sizes
+@pytest.mark.parametrize("num_chunks, partial_rows", [(3, 37), (2, 0)], ids=["partial-last-chunk", "full-chunks"])
+def test_batches_of_several_grouped_kernel_chunks(device, num_chunks, partial_rows, num_slices):
+    # on CPU the grouped kernel works in chunks of CHUNK_ROWS sorted rows, each slot's group cut at the chunk
+    # boundaries: slot groups that cross them, active rows in every chunk, mixed ranks (rank 0, slot -1),
+    # captured on one batch and replayed on another
+    rng = random.Random(num_chunks * 10 + num_slices)
+    T, ranks = (num_chunks - 1) * CHUNK_ROWS + (partial_rows or CHUNK_ROWS), [8, 3, 0, 5]
+    inactive = 11  # rows without an adapter, after the active ones: every chunk keeps active rows
+    shares = [(0.39, 0.29, 0.01), (0.20, 0.45, 0.02)]  # of slots 0, 1, 2 (rank 0); slot 3 takes the rest
+    batches = []
+    for share in shares:
+        rows = [int(f * T) for f in share]
+        batches.append(_requests_of(rng, {0: rows[0], 1: rows[1], 2: rows[2], 3: T - inactive - sum(rows),
+                                          None: inactive}))
+    pair = BatchPair(ranks, *batches)
+    widths = [24, 8, 16][:num_slices]  # 16-byte aligned fp32 strides: sizes the grouped kernel takes
     gen = torch.Generator().manual_seed(num_slices)
     a, b, offsets = random_linear_weights(gen, num_slots=4, max_rank=8, in_features=32, slice_widths=widths,
                                           lora_ranks=ranks, dtype=torch.float32, device=device.torch_device)
     x = torch.randn(T, 32, generator=gen).to(device.torch_device)
     base = torch.randn(T, offsets[-1], generator=gen).to(device.torch_device)
-    info = build_batch_info(*pair.batch_a, ranks, [1.0] * 4, device="cpu", use_graph=True, max_tokens=T)
-    assert graph_kernel(info, T, a, 32, a.shape[1]) == "grouped"  # where the device runs graph ops on CPU
-    assert graph_kernel(info, T, b, *(8, offsets[-1] * 8, *(o * 8 for o in offsets[1:-1]), *offsets[1:])) == "grouped"
+    # on a CPU graph-mode batch these sizes take the grouped kernel, in num_chunks chunks, each with active rows
+    for batch in batches:
+        cpu_info = pair.build(batch, "cpu", use_graph=True)
+        sgemm_lora_b_fwd(sgemm_lora_a_fwd(x.cpu(), a.cpu(), cpu_info, num_slices), b.cpu(), cpu_info, offsets)
+        assert cpu_info.plan_types == (SortedPlan,)  # no layer fell back to the blocked kernel's plan
+        assert len(cpu_info.plan(SortedPlan).chunks) == num_chunks
+        assert slot_order(cpu_info).num_active > (num_chunks - 1) * CHUNK_ROWS
     _check_linear(device, pair, a, b, offsets, x, base, torch.float32)
 
 

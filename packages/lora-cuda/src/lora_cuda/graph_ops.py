@@ -128,8 +128,10 @@ def sgemm_lora_a_graph_fwd(
         scales, outside = plan.column_tables(R, num_slices)
         rows = plan.workspace("rows", (plan.chunk_rows, in_features), x.dtype, x.device)
         weights_t = weights.transpose(1, 2)
-        parts = [torch._grouped_mm(torch.index_select(x, 0, c.tokens, out=rows[: c.stop - c.start]), weights_t,
-                                   offs=c.group_ends) for c in plan.chunks]
+        parts = []
+        for c in plan.chunks:  # each chunk's rows gathered into one workspace, reused chunk after chunk
+            xs = torch.index_select(x, 0, c.tokens, out=rows[: c.stop - c.start])
+            parts.append(torch._grouped_mm(xs, weights_t, offs=c.group_ends))
         ys = parts[0] if len(parts) == 1 else torch.cat(parts)
         ys.mul_(scales).masked_fill_(outside, 0)  # inf*0 beyond a rank is NaN: masked, not multiplied, away
         # every row is in the order once: gather each row's result back (no scatter into zeros)

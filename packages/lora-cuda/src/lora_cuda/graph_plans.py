@@ -47,8 +47,8 @@ CHUNK_ROWS = 512
 its expand's delta (``512 x 2048`` fp32: 4 MiB each) stay in the caches between the
 gather, the GEMM and the scatter, where a whole prefill batch's (16 MiB each at
 ``T = 2048``) go through memory. Measured at prefill ``T = 2048``, ``h = out = 2048``
-fp32, 2 threads (docs/benchmarks.md): 512 rows beat 256 (more, smaller calls,
-each a parallel region) and 1024."""
+fp32, 2 threads (docs/benchmarks.md): 512 rows measured like 256 (with half the
+calls, each a parallel region) and better than 128 and 1024."""
 
 
 def chunk_rows_for(num_rows: int, device: torch.device) -> int:
@@ -133,7 +133,7 @@ class SortedChunk(NamedTuple):
 class SortedPlan(KernelTables, BatchPlan):
     """Rows sorted by slot for grouped GEMMs (``rows`` = the batch info's ``num_tokens``),
     in ``NC = ceil(rows / chunk_rows)`` chunks of ``chunk_rows`` sorted rows
-    (:func:`chunk_rows_for`; the last chunk may be shorter).
+    (:func:`chunk_rows_for`; the last chunk may be shorter; no chunk for 0 rows).
 
     Device tensors: ``sorted_tokens (rows,)`` int64, ``token_rows (rows,)`` int64 (its
     inverse: each row's position in the order), ``sorted_ranks (rows,)`` int32,
@@ -150,24 +150,23 @@ class SortedPlan(KernelTables, BatchPlan):
             batch_key(batch_info)  # for compiled code: see batch_args
         self.num_rows = rows = batch_info.num_tokens
         L = batch_info.num_slots
-        self.chunk_rows = chunk_rows_for(rows, batch_info.device)
-        num_chunks = -(-rows // self.chunk_rows) if rows else 0
-        starts = np.arange(num_chunks, dtype=np.int64) * self.chunk_rows
-        self._chunk_starts = starts[:, None]
-        self._chunk_lens = np.minimum(rows - starts, self.chunk_rows)[:, None]
+        self.chunk_rows = C = chunk_rows_for(rows, batch_info.device)
+        starts = range(0, rows, C or 1)  # none for 0 rows
+        self._chunk_starts = np.array(starts, dtype=np.int64).reshape(-1, 1)
+        self._chunk_lens = np.minimum(rows - self._chunk_starts, C)
         self._positions = np.arange(rows, dtype=np.int64)
         self._staged = StagedTensors(
             {"sorted_tokens": ((rows,), torch.int64), "token_rows": ((rows,), torch.int64),
              "sorted_ranks": ((rows,), torch.int32),
-             "sorted_scalings": ((rows,), torch.float32), "group_ends": ((num_chunks, L), torch.int32)},
+             "sorted_scalings": ((rows,), torch.float32), "group_ends": ((len(starts), L), torch.int32)},
             batch_info.device, double_buffered=batch_info.use_graph,
         )
         (self.sorted_tokens, self.token_rows, self.sorted_ranks, self.sorted_scalings,
          self.group_ends) = self._staged.device.values()
-        self.chunks = tuple(
-            SortedChunk(start, start + n, self.sorted_tokens[start : start + n], self.group_ends[i])
-            for i, (start, n) in enumerate(zip(starts.tolist(), self._chunk_lens[:, 0].tolist()))
-        )
+        # (a chunk's row of group_ends is 16-byte aligned only where L % 4 == 0: CPU grouped GEMMs
+        # do not need it, and off CPU there is one chunk)
+        self.chunks = tuple(map(SortedChunk, starts, [min(start + C, rows) for start in starts],
+                                self.sorted_tokens.split(C or 1), self.group_ends.unbind(0)))
         self.refill(batch_info)
 
     @classmethod
@@ -190,9 +189,9 @@ class SortedPlan(KernelTables, BatchPlan):
         host["sorted_scalings"][:] = order.row_scalings
         ends = host["group_ends"]
         if ends.size:
-            group_ends = np.cumsum(order.counts)
-            group_ends[-1] = self.num_rows
-            in_chunk = group_ends - self._chunk_starts  # (NC, L); then clipped to [0, chunk length]
+            slot_ends = np.cumsum(order.counts)  # (L,): of the whole order
+            slot_ends[-1] = self.num_rows
+            in_chunk = slot_ends - self._chunk_starts  # (NC, L); then clipped to [0, chunk length]
             np.maximum(in_chunk, 0, out=in_chunk)
             np.minimum(in_chunk, self._chunk_lens, out=ends)  # (np.clip costs 3x these two at decode)
         self._staged.upload()
