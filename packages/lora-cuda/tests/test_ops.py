@@ -19,8 +19,7 @@ from lora_core.testing import (
     random_linear_weights,
     random_ranks,
 )
-from lora_cuda import sgemm_lora_a_embedding_fwd, sgemm_lora_a_fwd, sgemm_lora_b_fwd
-from lora_cuda import SortedPlan
+from lora_cuda import SortedPlan, sgemm_lora_a_embedding_fwd, sgemm_lora_a_fwd, sgemm_lora_b_fwd
 from lora_cuda.graph_plans import CHUNK_ROWS
 from lora_cuda.slot_order import slot_order
 
