@@ -25,7 +25,7 @@ def snapshot(info) -> dict:
     for name in FIELDS:
         device, host = getattr(info, name), getattr(info, f"{name}_cpu")
         state[name] = (device.detach().cpu().clone(), host.clone(), device.data_ptr())
-    view = info._lm_head_view  # built eagerly for graph-mode batches
+    view = info._lm_head.view if info._lm_head is not None else None  # built eagerly for graph-mode batches
     if view is not None and view is not info:
         state["view"] = snapshot(view)
     return state

@@ -126,7 +126,7 @@ def snapshot(info, depth: int = 0) -> list:
     for name in FIELDS:
         t = getattr(info, name)
         state += [t.detach().cpu().clone(), getattr(info, f"{name}_cpu").clone(), t.data_ptr()]
-    view = info._lm_head_view
+    view = info._lm_head.view if info._lm_head is not None else None
     if depth == 0 and view is not None:
         state.append(snapshot(view, 1))
     return state

@@ -27,6 +27,7 @@ import re
 from typing import Collection, Iterable, Mapping
 
 from .adapters import AdapterFormatError, _pattern_value
+from .checks import is_int
 
 __all__ = ["ALL_LINEAR", "matches_target", "matched_modules", "module_rank", "module_alpha", "check_targeting"]
 
@@ -50,10 +51,7 @@ def check_targeting(config: Mapping) -> None:
     if exclude is not None and not (isinstance(exclude, str) or _is_str_list(exclude)):
         raise AdapterFormatError(f"exclude_modules must be a list of names or a regex string, got {exclude!r}")
     layers = config.get("layers_to_transform")
-    if layers is not None and not (
-        (isinstance(layers, int) and not isinstance(layers, bool))
-        or (isinstance(layers, (list, tuple)) and all(isinstance(i, int) and not isinstance(i, bool) for i in layers))
-    ):
+    if layers is not None and not (is_int(layers) or (isinstance(layers, (list, tuple)) and all(map(is_int, layers)))):
         raise AdapterFormatError(f"layers_to_transform must be an int or a list of ints, got {layers!r}")
     pattern = config.get("layers_pattern")
     if pattern is not None and not (isinstance(pattern, str) or _is_str_list(pattern)):

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from .checks import FLOAT32_MAX
+from .checks import FLOAT32_MAX, check_finite_float
 
 __all__ = ["LoRAModuleWeights", "PeftAdapter", "load_peft_adapter", "save_peft_adapter", "peft_scaling", "AdapterFormatError"]
 
@@ -91,8 +91,10 @@ def _pattern_value(patterns: dict, module: str, default):
 
 
 def _is_positive_number(value: object) -> bool:
-    return (not isinstance(value, bool) and isinstance(value, (int, float))
-            and math.isfinite(value) and value > 0)
+    try:
+        return check_finite_float("value", value) > 0
+    except ValueError:
+        return False
 
 
 def peft_scaling(alpha: float, rank: int, use_rslora: bool) -> float:

@@ -14,10 +14,13 @@ with host mirrors (``*_cpu``: CPU tensors of the same values), so that nothing
 on the host ever reads a device tensor back. The layout and math these describe
 are in docs/layout.md.
 
-Kernel-specific plans (tokens sorted by slot, token blocks, a host loop plan)
-are not built here: each kernel family owns a :class:`~lora_core.plans.BatchPlan`
-that :meth:`BatchInfo.plan` builds on first request and keeps in step with the
-batch.
+A batch info is the batch and nothing else: its requests are validated by
+:mod:`lora_core.batch_requests`; kernel-specific plans (tokens sorted by slot,
+token blocks, a host loop plan) are each kernel family's
+:class:`~lora_core.plans.BatchPlan`, kept in the batch's
+:class:`~lora_core.plans.PlanCache` (``BatchInfo.plans``), which the batch tells
+when it changes; the rows of a pruned LM head are a batch of their own, owned by
+:class:`~lora_core.lm_head_rows.LMHeadRows`.
 
 In graph mode (``use_graph=True``) every device tensor is allocated once for
 ``max_tokens`` and :meth:`BatchInfo.refill` rewrites it in place, keeping its
@@ -28,76 +31,28 @@ loop runs over tokens, and loops over requests only validate their arguments.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Set
-from typing import Callable, Sequence, TypeVar
+from typing import Sequence, TypeVar
 
 import numpy as np
 import torch
 
-from .checks import FLOAT32_MAX, allocating, check_bool, check_device, check_finite_float, check_int, is_int
+from .batch_requests import (
+    MAX_TOKENS,
+    Requests,
+    check_capacity,
+    merge_segments,
+    validate_adapters,
+    validate_requests,
+)
+from .checks import allocating, check_bool, check_device, check_int, is_int
 from .graphs import is_capturing
-from .plans import BatchPlan
+from .lm_head_rows import LMHeadRows
+from .plans import BatchPlan, PlanCache
 from .staging import StagedTensors
 
 __all__ = ["BatchInfo", "build_batch_info"]
 
 PlanT = TypeVar("PlanT", bound=BatchPlan)
-T_co = TypeVar("T_co")
-
-_MAX_TOKENS = 2**31 - 1  # token and segment offsets are int32 on the device
-
-
-class _Requests:
-    """A validated batch description: tokens and slot per request (host NumPy int64 arrays),
-    with the shortest and longest request (0 for an empty batch)."""
-
-    __slots__ = ("lens", "slots", "num_tokens", "min_len", "max_len", "_lens_tuple", "_slots_tuple")
-
-    def __init__(self, lens: np.ndarray, slots: np.ndarray, num_tokens: int, min_len: int, max_len: int) -> None:
-        self.lens, self.slots, self.num_tokens = lens, slots, num_tokens
-        self.min_len, self.max_len = min_len, max_len
-        self._lens_tuple: tuple[int, ...] | None = None
-        self._slots_tuple: tuple[int, ...] | None = None
-
-    @property
-    def lens_tuple(self) -> tuple[int, ...]:
-        if self._lens_tuple is None:
-            self._lens_tuple = tuple(self.lens.tolist())
-        return self._lens_tuple
-
-    @property
-    def slots_tuple(self) -> tuple[int, ...]:
-        if self._slots_tuple is None:
-            self._slots_tuple = tuple(self.slots.tolist())
-        return self._slots_tuple
-
-    @property
-    def is_one_token_each(self) -> bool:
-        """Every non-empty request has one token (decode): the pruned LM-head view equals the batch."""
-        return self.max_len <= 1
-
-    def last_tokens(self) -> _Requests:
-        """One single-token request per non-empty request: the rows a pruned LM head receives."""
-        if self.min_len == self.max_len == 1:  # already one token each, none empty
-            return self
-        slots = self.slots[self.lens > 0]
-        n = int(slots.size)
-        return _Requests(np.ones_like(slots), slots, n, min(n, 1), min(n, 1))
-
-
-def _merge_segments(requests: _Requests) -> tuple[np.ndarray, np.ndarray]:
-    """Adjacent non-empty requests on one slot merged: ``(seg_lens, seg_slots)``, int64."""
-    lens, slots = requests.lens, requests.slots
-    if requests.min_len == 0:  # drop empty requests (they hold no rows)
-        keep = lens > 0
-        lens, slots = lens[keep], slots[keep]
-    if not lens.size:
-        return lens, slots
-    starts = np.empty(slots.shape, dtype=bool)
-    starts[0] = True
-    np.not_equal(slots[1:], slots[:-1], out=starts[1:])
-    first = np.flatnonzero(starts)
-    return np.add.reduceat(lens, first), slots[first]
 
 
 def _adapter_fields(num_slots: int) -> dict:
@@ -137,7 +92,7 @@ class BatchInfo:
 
     In graph mode ``S`` and ``T`` are the preallocated capacity (``max_tokens``);
     unused segments have length 0 and slot -1, padding tokens slot -1.
-    Kernel plans: :meth:`plan`.
+    Kernel plans: :meth:`plan` (kept in :attr:`plans`, refilled with the batch).
     """
 
     seg_lens = _Published("_batch")
@@ -155,7 +110,7 @@ class BatchInfo:
 
     def __init__(
         self,
-        requests: _Requests,
+        requests: Requests,
         lora_ranks: tuple[int, ...],
         scalings: tuple[float, ...],
         *,
@@ -169,9 +124,8 @@ class BatchInfo:
         self.use_graph = use_graph
         self.capacity = capacity
         self.num_slots = len(lora_ranks)
-        self._plans: dict[type[BatchPlan], BatchPlan] = {}
-        self._derived: dict[str, object] = {}
-        self._lm_head_view: BatchInfo | None = None
+        self.plans = PlanCache()
+        self._lm_head: LMHeadRows | None = None
         self._lora_ranks, self._scalings = lora_ranks, scalings
         self._slot_ranks_scalings: tuple[np.ndarray, np.ndarray] | None = None
         if use_graph:  # adapters and batch are rewritten independently, each in place
@@ -241,35 +195,21 @@ class BatchInfo:
 
     # ------------------------------------------------------------------ plans
     def plan(self, plan_type: type[PlanT]) -> PlanT:
-        """The ``plan_type`` plan of this batch, built on first request and refilled with the batch.
+        """The ``plan_type`` plan of this batch (:meth:`PlanCache.get`), built on first request,
+        for the pruned LM-head rows too when they exist, and refilled with the batch.
 
         Raises ``RuntimeError`` when the plan would first be built during a graph
-        capture (building reads host data that the graph would bake in): build
-        it before capturing, as ``LoRABackend.prepare_batch`` does.
+        capture: build it before capturing, as ``LoRABackend.prepare_batch`` does.
         """
-        plan = self._plans.get(plan_type)
-        if plan is None:
-            if is_capturing():
-                raise RuntimeError(
-                    f"{plan_type.__name__} of this batch was not built before the graph capture; call "
-                    "backend.prepare_batch(batch_info), or run the step once, before capturing"
-                )
-            plan = self._plans[plan_type] = plan_type.build(self)
-            if self._lm_head_view is not None:
-                self._lm_head_view.plan(plan_type)
-        return plan  # type: ignore[return-value]
-
-    def derived(self, key: str, compute: Callable[[BatchInfo], T_co]) -> T_co:
-        """``compute(self)``, memoised until the batch or its adapters change: host-side
-        values that several plans of one batch share (e.g. the rows ordered by slot)."""
-        if key not in self._derived:
-            self._derived[key] = compute(self)
-        return self._derived[key]  # type: ignore[return-value]
+        plan = self.plans.get(plan_type, self)
+        if self._lm_head is not None:
+            self._lm_head.view.plan(plan_type)
+        return plan
 
     @property
     def plan_types(self) -> tuple[type[BatchPlan], ...]:
         """The plans built for this batch so far (only those some kernel asked for)."""
-        return tuple(self._plans)
+        return self.plans.types
 
     # --------------------------------------------------------------- updates
     def refill(self, seq_lens: Sequence[int], slot_ids: Sequence[int | None]) -> None:
@@ -282,26 +222,23 @@ class BatchInfo:
                 "refill() needs a graph-mode BatchInfo (use_graph=True); "
                 "eager batches are cheap to rebuild with build_batch_info()"
             )
-        requests = _validate_requests(seq_lens, slot_ids, self.num_slots)
-        _check_capacity(requests, self.capacity)
+        requests = validate_requests(seq_lens, slot_ids, self.num_slots)
+        check_capacity(requests, self.capacity)
         self._publish_batch(requests)
-        self._refill_dependents()
+        self._changed(adapters_changed=False)
 
     def set_adapters(self, lora_ranks: Sequence[int], scalings: Sequence[float]) -> None:
         """Update per-slot ranks and scalings in place (after loading or evicting an adapter).
 
         A rejected call changes nothing.
         """
-        ranks, scales = _validate_adapters(lora_ranks, scalings, max_rank=self.max_rank)
+        ranks, scales = validate_adapters(lora_ranks, scalings, max_rank=self.max_rank)
         if len(ranks) != self.num_slots:
             raise ValueError(
                 f"lora_ranks has {len(ranks)} slots; this BatchInfo was built for {self.num_slots}"
             )
         self._publish_adapters(ranks, scales)
-        if self._lm_head_view is not None:
-            self._lm_head_view._publish_adapters(ranks, scales)
-            self._lm_head_view._derived = {}
-        self._refill_dependents()
+        self._changed(adapters_changed=True)
 
     def lm_head_view(self, pruned: bool) -> BatchInfo:
         """Batch info for the rows that reach the LM head.
@@ -313,15 +250,11 @@ class BatchInfo:
         """
         if not check_bool("pruned", pruned):
             return self
-        if self._lm_head_view is None:
+        if self._lm_head is None:
             if is_capturing():
                 raise RuntimeError("the pruned LM-head view was not built before the graph capture")
-            view = BatchInfo(self._requests.last_tokens(), self._lora_ranks, self._scalings, device=self.device,
-                             use_graph=self.use_graph, capacity=self.capacity, max_rank=self.max_rank)
-            for plan_type in self._plans:
-                view.plan(plan_type)
-            self._lm_head_view = view
-        return self._lm_head_view
+            self._lm_head = LMHeadRows(self)
+        return self._lm_head.view
 
     # -------------------------------------------------------------- internals
     def _publish_adapters(self, lora_ranks: tuple[int, ...], scalings: tuple[float, ...]) -> None:
@@ -331,10 +264,10 @@ class BatchInfo:
         self._adapters.upload()
         self._lora_ranks, self._scalings = tuple(lora_ranks), tuple(scalings)
         self._slot_ranks_scalings = None
-        self._derived = {}
+        self.plans.batch_changed()
 
-    def _publish_batch(self, requests: _Requests) -> None:
-        seg_lens, seg_slots = _merge_segments(requests)
+    def _publish_batch(self, requests: Requests) -> None:
+        seg_lens, seg_slots = merge_segments(requests)
         S, T = seg_lens.size, requests.num_tokens
         if not self.use_graph:  # built once per eager batch, with the adapters' fields
             self._batch = self._adapters = allocating(f"seq_lens ({T} tokens)", lambda: StagedTensors(
@@ -355,34 +288,20 @@ class BatchInfo:
         self._batch.upload()
         self._requests, self._num_segments = requests, S
         self._segments = (seg_lens, seg_slots, indptr[:S].astype(np.int64))
-        self._derived = {}
-        if self.use_graph and self._lm_head_view is not None:
-            self._lm_head_view._publish_view_of(self)
+        self.plans.batch_changed()
 
-    def _publish_view_of(self, batch: BatchInfo) -> None:
-        """Graph mode: publish the pruned LM-head view of ``batch``. When every request has
-        one token (decode) the view is the same batch: its bytes are copied, not re-planned."""
-        requests = batch._requests.last_tokens()
-        if not batch._requests.is_one_token_each:
-            self._publish_batch(requests)
-            return
+    def _publish_copy_of(self, batch: BatchInfo) -> None:
+        """Graph mode: publish ``batch``'s rows, which are this batch's rows too (a decode step's
+        LM-head rows): its bytes are copied, not re-planned."""
         self._batch.copy_published(batch._batch)
-        self._requests, self._num_segments, self._segments = requests, batch._num_segments, batch._segments
-        self._derived = batch._derived  # equal host data: the same derived values
+        self._requests = batch._requests.last_tokens()
+        self._num_segments, self._segments = batch._num_segments, batch._segments
 
-    def _refill_dependents(self) -> None:
-        for plan in self._plans.values():
-            plan.refill(self)
-        view = self._lm_head_view
-        if view is None:
-            return
-        if not self.use_graph:  # eager: rebuilt from the current batch when next asked for
-            self._lm_head_view = None
-        elif self._requests.is_one_token_each:
-            for plan_type, plan in view._plans.items():
-                plan.refill_from(view, self._plans[plan_type])
-        else:
-            view._refill_dependents()
+    def _changed(self, *, adapters_changed: bool) -> None:
+        """The batch or its adapters were republished: refill the plans, then the LM-head rows."""
+        self.plans.refill(self)
+        if self._lm_head is not None and not self._lm_head.follow(self, adapters_changed=adapters_changed):
+            self._lm_head = None
 
     def __repr__(self) -> str:
         mode = f"graph, capacity={self.capacity}" if self.use_graph else "eager"
@@ -419,128 +338,19 @@ def build_batch_info(
     if max_rank is not None:
         max_rank = check_int("max_rank", max_rank, minimum=0)
     if use_graph:
-        if max_tokens is None or not is_int(max_tokens) or not 0 < max_tokens <= _MAX_TOKENS:
+        if max_tokens is None or not is_int(max_tokens) or not 0 < max_tokens <= MAX_TOKENS:
             raise ValueError(f"max_tokens must be a positive int <= 2**31 - 1 (token offsets are int32) "
                              f"with use_graph=True, got {max_tokens!r}")
         max_tokens = int(max_tokens)
     elif max_tokens is not None:
         raise ValueError(f"max_tokens is only meaningful with use_graph=True, got max_tokens = {max_tokens!r}")
-    ranks, scales = _validate_adapters(lora_ranks, scalings, max_rank=max_rank)
-    requests = _validate_requests(seq_lens, slot_ids, len(ranks))
+    ranks, scales = validate_adapters(lora_ranks, scalings, max_rank=max_rank)
+    requests = validate_requests(seq_lens, slot_ids, len(ranks))
     if use_graph:
-        _check_capacity(requests, max_tokens)
-    device = _check_device(device)
+        check_capacity(requests, max_tokens)
+    device = check_device("device", device)
     info = BatchInfo(requests, ranks, scales, device=device, use_graph=use_graph, capacity=max_tokens,
                      max_rank=max_rank)
     if use_graph:
         info.lm_head_view(pruned=True)  # preallocated now: never built during a capture
     return info
-
-
-# ---------------------------------------------------------------------- validation
-def _check_device(device: torch.device | str) -> torch.device:
-    return check_device("device", device)
-
-
-def _host_values(name: str, values: Sequence) -> list | tuple:
-    """``values`` as a list or tuple of host numbers, read and never written (so not copied)."""
-    if type(values) is list or type(values) is tuple:  # the common case, before the ABC checks below
-        return values
-    if isinstance(values, torch.Tensor):
-        if values.device.type != "cpu":
-            raise ValueError(
-                f"{name} must be host data (a list or a CPU tensor), got a tensor on {values.device}; "
-                "reading it would synchronize the device"
-            )
-        if values.dim() != 1:
-            raise ValueError(f"{name} must be one-dimensional, got shape {tuple(values.shape)}")
-        return values.tolist()
-    if isinstance(values, (str, bytes, Mapping, Set)):  # unordered or not numbers: never a silent guess
-        raise TypeError(f"{name} must be a sequence of numbers, got {type(values).__name__}")
-    try:
-        return list(values)
-    except TypeError:
-        raise TypeError(f"{name} must be a sequence, got {type(values).__name__}") from None
-
-
-def _int_values(name: str, values: Sequence, minimum: int, maximum: int | None = None) -> Sequence[int]:
-    """Fast path for plain ints (the type check runs in C); element-wise checks otherwise."""
-    if values and set(map(type, values)) == {int}:
-        if min(values) >= minimum and (maximum is None or max(values) <= maximum):
-            return values
-    return [check_int(f"{name}[{i}]", v, minimum=minimum, maximum=maximum) for i, v in enumerate(values)]
-
-
-def _validate_adapters(
-    lora_ranks: Sequence[int], scalings: Sequence[float], *, max_rank: int | None
-) -> tuple[tuple[int, ...], tuple[float, ...]]:
-    ranks = _host_values("lora_ranks", lora_ranks)
-    scales = _host_values("scalings", scalings)
-    if len(ranks) != len(scales):
-        raise ValueError(
-            f"lora_ranks and scalings must have one entry per slot; got {len(ranks)} and {len(scales)}"
-        )
-    ranks = _int_values("lora_ranks", ranks, 0, _MAX_TOKENS)  # int32 on the device
-    for slot, rank in enumerate(ranks):
-        if max_rank is not None and rank > max_rank:
-            raise ValueError(f"lora_ranks[{slot}] = {rank} exceeds max_rank = {max_rank}")
-    return tuple(ranks), _finite_float32_values(scales)
-
-
-def _finite_float32_values(scales: Sequence) -> tuple[float, ...]:
-    """Scalings as Python floats, each finite in float32; vectorised for plain floats and ints."""
-    if scales and set(map(type, scales)) <= {float, int}:
-        try:
-            values = np.array(scales, dtype=np.float64)
-        except OverflowError:  # an int too large for a float: checked one by one below
-            values = None
-        if values is not None and np.isfinite(values).all() and np.abs(values).max() <= FLOAT32_MAX:
-            return tuple(values.tolist())
-    return tuple(check_finite_float(f"scalings[{slot}]", scale, float32=True) for slot, scale in enumerate(scales))
-
-
-def _plain_int_array(values: Sequence) -> np.ndarray | None:
-    """``values`` as int64 when all are plain Python ints that fit (the type check runs in C),
-    else ``None``: the caller then checks them one by one, naming the bad one."""
-    if not values or set(map(type, values)) != {int}:
-        return None
-    try:
-        return np.array(values, dtype=np.int64)
-    except OverflowError:
-        return None
-
-
-def _validate_requests(seq_lens: Sequence[int], slot_ids: Sequence[int | None], num_slots: int) -> _Requests:
-    lens = _host_values("seq_lens", seq_lens)
-    slots = _host_values("slot_ids", slot_ids)
-    if len(lens) != len(slots):
-        raise ValueError(
-            f"seq_lens and slot_ids must have one entry per request; got {len(lens)} and {len(slots)}"
-        )
-    lens_array = _plain_int_array(lens)
-    bounds = None if lens_array is None else (int(lens_array.min()), int(lens_array.max()))
-    if bounds is None or bounds[0] < 0:
-        lens, lens_array = _int_values("seq_lens", lens, 0), None  # raises naming a bad length
-        bounds = (min(lens, default=0), max(lens, default=0))
-    min_len, max_len = bounds
-    total = int(lens_array.sum()) if lens_array is not None and max_len <= _MAX_TOKENS else sum(lens)
-    if total > _MAX_TOKENS:
-        raise ValueError(f"seq_lens sum to {total} tokens, more than a batch can index (2**31 - 1)")
-    if lens_array is None:
-        lens_array = np.array(lens, dtype=np.int64)
-    if None in slots:
-        slots = [-1 if s is None else s for s in slots]
-    slots_array = _plain_int_array(slots)
-    if slots_array is None or slots_array.min() < -1 or slots_array.max() >= num_slots:
-        for i, s in enumerate(slots):
-            if not is_int(s) or not -1 <= s < num_slots:
-                raise ValueError(f"slot_ids[{i}] must be None, -1 or a slot in [0, {num_slots}), got {s!r}")
-        slots_array = np.array([int(s) for s in slots], dtype=np.int64)
-    return _Requests(lens_array, slots_array, total, min_len, max_len)
-
-
-def _check_capacity(requests: _Requests, capacity: int) -> None:
-    if requests.num_tokens > capacity:
-        raise ValueError(
-            f"seq_lens sum to {requests.num_tokens} tokens, more than max_tokens = {capacity}"
-        )

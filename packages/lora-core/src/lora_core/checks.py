@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Callable, TypeVar
+from typing import Callable, Sequence, TypeVar
 
 import numpy as np
 import torch
@@ -18,6 +18,8 @@ __all__ = [
     "FLOAT32_MAX",
     "SUPPORTED_FLOAT_DTYPES",
     "is_int",
+    "are_plain_ints",
+    "plain_int_array",
     "check_int",
     "check_bool",
     "check_finite_float",
@@ -27,6 +29,8 @@ __all__ = [
 ]
 
 T = TypeVar("T")
+
+_JUST_INT = frozenset({int})
 
 FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
@@ -40,6 +44,25 @@ def is_int(value: object) -> bool:
     if type(value) is int:  # the common case, without the ABC check below
         return True
     return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
+
+
+def are_plain_ints(values: Sequence[object]) -> bool:
+    """True when every element of ``values`` is a plain Python ``int`` (not a bool, not a NumPy
+    integer); True for an empty sequence. The type test runs in C, so a hot path can take it
+    before checking elements one by one with :func:`check_int`."""
+    return set(map(type, values)) <= _JUST_INT
+
+
+def plain_int_array(values: Sequence[object]) -> np.ndarray | None:
+    """``values`` as an int64 array when it is non-empty and every element is a plain Python
+    int that fits in int64; ``None`` otherwise, and the caller checks the elements one by one
+    (naming the bad one)."""
+    if not values or not are_plain_ints(values):
+        return None
+    try:
+        return np.array(values, dtype=np.int64)
+    except OverflowError:
+        return None
 
 
 def check_int(name: str, value: object, *, minimum: int | None = None, maximum: int | None = None) -> int:

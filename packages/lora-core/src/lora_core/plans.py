@@ -3,24 +3,34 @@
 A :class:`~lora_core.BatchInfo` holds the batch itself (segments, slots, ranks,
 scalings). Anything a particular kernel needs beyond that (tokens grouped by
 slot, token blocks, a host loop plan) is a :class:`BatchPlan` subclass that
-lives beside its kernel in the backend package. The batch info builds a plan
-the first time :meth:`BatchInfo.plan` asks for it (backends ask in
-``prepare_batch``, before any graph capture) and keeps it in step with the
-batch: :meth:`BatchInfo.refill` and :meth:`BatchInfo.set_adapters` call
-:meth:`BatchPlan.refill` on every plan built so far, so a graph-mode plan is
-rewritten in place together with the batch. Plans that no kernel asked for are
-never built (docs/architecture.md).
+lives beside its kernel in the backend package.
+
+The plans of one batch live in its :class:`PlanCache`: it builds a plan the
+first time a kernel asks for it (backends ask in ``prepare_batch``, before any
+graph capture), refuses to build one during a capture, and refills every plan
+built so far when the batch changes, so a graph-mode plan is rewritten in place
+together with the batch. Plans that no kernel asked for are never built.
+Host values that several plans of one batch read (e.g. the rows ordered by slot)
+are :meth:`PlanCache.shared`: computed once per batch, keyed by their type
+(docs/architecture.md).
+
+This module never imports the batch: a batch hands itself to the cache.
 """
 
 from __future__ import annotations
 
 import abc
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable, TypeVar
 
-if TYPE_CHECKING:
+from .graphs import is_capturing
+
+if TYPE_CHECKING:  # annotations only: the batch imports this module, never the reverse
     from .batch_info import BatchInfo
 
-__all__ = ["BatchPlan"]
+__all__ = ["BatchPlan", "PlanCache"]
+
+PlanT = TypeVar("PlanT", bound="BatchPlan")
+SharedT = TypeVar("SharedT")
 
 
 class BatchPlan(abc.ABC):
@@ -46,5 +56,69 @@ class BatchPlan(abc.ABC):
 
     def refill_from(self, batch_info: BatchInfo, twin: BatchPlan) -> None:
         """Refill for a batch whose host data equals ``twin``'s batch (a decode step's
-        LM-head view): plans that can copy ``twin``'s published data override this."""
+        LM-head rows): plans that can copy ``twin``'s published data override this."""
         self.refill(batch_info)
+
+
+class PlanCache:
+    """The plans of one batch, and the host values they share.
+
+    ``get(PlanType, batch)`` builds a plan on first request; :meth:`refill` keeps
+    every built plan in step with the batch; :meth:`shared` memoises values that
+    several plans compute from the same batch until the batch changes.
+    """
+
+    __slots__ = ("_plans", "_shared")
+
+    def __init__(self) -> None:
+        self._plans: dict[type[BatchPlan], BatchPlan] = {}
+        self._shared: dict[type, object] = {}
+
+    @property
+    def types(self) -> tuple[type[BatchPlan], ...]:
+        """The plan types built so far, in the order they were first asked for."""
+        return tuple(self._plans)
+
+    def get(self, plan_type: type[PlanT], batch_info: BatchInfo) -> PlanT:
+        """The ``plan_type`` plan of ``batch_info`` (whose cache this is), built on first request.
+
+        Raises ``RuntimeError`` when the plan would first be built during a graph
+        capture (building reads host data that the graph would bake in)."""
+        plan = self._plans.get(plan_type)
+        if plan is None:
+            if is_capturing():
+                raise RuntimeError(
+                    f"{plan_type.__name__} of this batch was not built before the graph capture; call "
+                    "backend.prepare_batch(batch_info), or run the step once, before capturing"
+                )
+            plan = self._plans[plan_type] = plan_type.build(batch_info)
+        return plan  # type: ignore[return-value]
+
+    def shared(self, value_type: Callable[[BatchInfo], SharedT], batch_info: BatchInfo) -> SharedT:
+        """``value_type(batch_info)``, computed once per batch and adapter set: host values that
+        several plans of one batch read. The key is the type itself, owned by the package
+        that defines it, so two packages can never collide."""
+        value = self._shared.get(value_type)
+        if value is None:
+            value = self._shared[value_type] = value_type(batch_info)
+        return value  # type: ignore[return-value]
+
+    def batch_changed(self) -> None:
+        """Forget the shared values (the batch or its adapters changed); plans are refilled next."""
+        self._shared = {}
+
+    def refill(self, batch_info: BatchInfo) -> None:
+        """Refill every plan built so far for ``batch_info``'s new batch."""
+        for plan in self._plans.values():
+            plan.refill(batch_info)
+
+    def refill_from(self, batch_info: BatchInfo, twin: PlanCache) -> None:
+        """Refill for a batch whose host data equals ``twin``'s batch: each plan from its twin,
+        and the shared values are the twin's (they are computed from equal data)."""
+        self._shared = twin._shared
+        for plan_type, plan in self._plans.items():
+            twin_plan = twin._plans.get(plan_type)
+            if twin_plan is None:  # built for these rows only (a layer's first call on them)
+                plan.refill(batch_info)
+            else:
+                plan.refill_from(batch_info, twin_plan)

@@ -22,7 +22,7 @@ from typing import Sequence
 import torch
 
 from .batch_info import BatchInfo
-from .checks import SUPPORTED_FLOAT_DTYPES, check_float_dtype, check_int, is_int
+from .checks import SUPPORTED_FLOAT_DTYPES, are_plain_ints, check_float_dtype, check_int, is_int
 from .graphs import is_capturing
 from .layout import slice_offsets_from_widths
 
@@ -171,13 +171,10 @@ def _check_ranks(batch_info: BatchInfo, max_rank: int) -> None:
     raise ValueError(f"slot {slot} has rank {ranks[slot]} but the weights hold at most R = {max_rank}")
 
 
-_JUST_INT = {int}
-
-
 def normalize_slice_offsets(slice_offsets: Sequence[int] | torch.Tensor) -> tuple[int, ...]:
     """Slice offsets as a tuple of Python ints ``(0, o1, ..., out_total)``, validated."""
     if (type(slice_offsets) is tuple and len(slice_offsets) > 1 and slice_offsets[0] == 0  # every layer call:
-            and set(map(type, slice_offsets)) == _JUST_INT  # C-level loops only, no generator frames
+            and are_plain_ints(slice_offsets)  # C-level loops only, no generator frames
             and all(map(operator.lt, slice_offsets, slice_offsets[1:]))):
         return slice_offsets  # what the general path below returns for it; anything else is checked there
     if isinstance(slice_offsets, torch.Tensor):

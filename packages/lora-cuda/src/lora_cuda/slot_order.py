@@ -4,7 +4,7 @@ control plan's slot groups are built from.
 Computed on the host from the batch's segments with a few NumPy ops (a stable
 sort of the segments by slot and their expansion to rows): no Python loop over
 tokens or segments. One per batch, shared by the plans that read it
-(:meth:`lora_core.BatchInfo.derived`).
+(:meth:`lora_core.plans.PlanCache.shared`).
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ class SlotOrder:
 
 def slot_order(batch_info: BatchInfo) -> SlotOrder:
     """The batch's :class:`SlotOrder`, computed once per batch (and adapter set) for every plan that reads it."""
-    return batch_info.derived("lora_cuda.slot_order", SlotOrder)
+    return batch_info.plans.shared(SlotOrder, batch_info)
 
 
 def place_in_blocks(valid: np.ndarray, rows: np.ndarray, block_tokens: np.ndarray, token_rows: np.ndarray) -> None:

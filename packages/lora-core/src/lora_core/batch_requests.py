@@ -1,0 +1,177 @@
+"""A batch description validated at the boundary: tokens and adapter slot per request.
+
+:func:`validate_requests` and :func:`validate_adapters` check what a caller hands
+to :func:`lora_core.build_batch_info` (and to ``BatchInfo.refill`` /
+``set_adapters``) once, naming the bad argument and the expected value, and turn
+it into host NumPy arrays that the batch publishes. Plain Python ints, the common
+case, are checked with C-level loops; anything else element by element.
+
+:func:`merge_segments` is the one rule that turns requests into segments:
+adjacent non-empty requests on one slot become one segment.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Set
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from .checks import FLOAT32_MAX, are_plain_ints, check_finite_float, check_int, is_int, plain_int_array
+
+__all__ = ["MAX_TOKENS", "Requests", "check_capacity", "merge_segments", "validate_adapters", "validate_requests"]
+
+MAX_TOKENS = 2**31 - 1
+"""The most tokens a batch can hold: token and segment offsets are int32 on the device."""
+
+
+class Requests:
+    """A validated batch description: tokens and slot per request (host NumPy int64 arrays),
+    with the shortest and longest request (0 for an empty batch)."""
+
+    __slots__ = ("lens", "slots", "num_tokens", "min_len", "max_len", "_lens_tuple", "_slots_tuple")
+
+    def __init__(self, lens: np.ndarray, slots: np.ndarray, num_tokens: int, min_len: int, max_len: int) -> None:
+        self.lens, self.slots, self.num_tokens = lens, slots, num_tokens
+        self.min_len, self.max_len = min_len, max_len
+        self._lens_tuple: tuple[int, ...] | None = None
+        self._slots_tuple: tuple[int, ...] | None = None
+
+    @property
+    def lens_tuple(self) -> tuple[int, ...]:
+        if self._lens_tuple is None:
+            self._lens_tuple = tuple(self.lens.tolist())
+        return self._lens_tuple
+
+    @property
+    def slots_tuple(self) -> tuple[int, ...]:
+        if self._slots_tuple is None:
+            self._slots_tuple = tuple(self.slots.tolist())
+        return self._slots_tuple
+
+    @property
+    def is_one_token_each(self) -> bool:
+        """Every non-empty request has one token (decode): the pruned LM-head rows equal the batch."""
+        return self.max_len <= 1
+
+    def last_tokens(self) -> Requests:
+        """One single-token request per non-empty request: the rows a pruned LM head receives."""
+        if self.min_len == self.max_len == 1:  # already one token each, none empty
+            return self
+        slots = self.slots[self.lens > 0]
+        n = int(slots.size)
+        return Requests(np.ones_like(slots), slots, n, min(n, 1), min(n, 1))
+
+
+def merge_segments(requests: Requests) -> tuple[np.ndarray, np.ndarray]:
+    """Adjacent non-empty requests on one slot merged: ``(seg_lens, seg_slots)``, int64."""
+    lens, slots = requests.lens, requests.slots
+    if requests.min_len == 0:  # drop empty requests (they hold no rows)
+        keep = lens > 0
+        lens, slots = lens[keep], slots[keep]
+    if not lens.size:
+        return lens, slots
+    starts = np.empty(slots.shape, dtype=bool)
+    starts[0] = True
+    np.not_equal(slots[1:], slots[:-1], out=starts[1:])
+    first = np.flatnonzero(starts)
+    return np.add.reduceat(lens, first), slots[first]
+
+
+def validate_requests(seq_lens: Sequence[int], slot_ids: Sequence[int | None], num_slots: int) -> Requests:
+    """``seq_lens`` (ints >= 0) and ``slot_ids`` (``None``, -1 or a slot in ``[0, num_slots)``),
+    one entry per request, as :class:`Requests`; ``ValueError``/``TypeError`` naming the bad entry."""
+    lens = _host_values("seq_lens", seq_lens)
+    slots = _host_values("slot_ids", slot_ids)
+    if len(lens) != len(slots):
+        raise ValueError(
+            f"seq_lens and slot_ids must have one entry per request; got {len(lens)} and {len(slots)}"
+        )
+    lens_array = plain_int_array(lens)
+    bounds = None if lens_array is None else (int(lens_array.min()), int(lens_array.max()))
+    if bounds is None or bounds[0] < 0:
+        lens, lens_array = _int_values("seq_lens", lens, 0), None  # raises naming a bad length
+        bounds = (min(lens, default=0), max(lens, default=0))
+    min_len, max_len = bounds
+    total = int(lens_array.sum()) if lens_array is not None and max_len <= MAX_TOKENS else sum(lens)
+    if total > MAX_TOKENS:
+        raise ValueError(f"seq_lens sum to {total} tokens, more than a batch can index (2**31 - 1)")
+    if lens_array is None:
+        lens_array = np.array(lens, dtype=np.int64)
+    if None in slots:
+        slots = [-1 if s is None else s for s in slots]
+    slots_array = plain_int_array(slots)
+    if slots_array is None or slots_array.min() < -1 or slots_array.max() >= num_slots:
+        for i, s in enumerate(slots):
+            if not is_int(s) or not -1 <= s < num_slots:
+                raise ValueError(f"slot_ids[{i}] must be None, -1 or a slot in [0, {num_slots}), got {s!r}")
+        slots_array = np.array([int(s) for s in slots], dtype=np.int64)
+    return Requests(lens_array, slots_array, total, min_len, max_len)
+
+
+def validate_adapters(
+    lora_ranks: Sequence[int], scalings: Sequence[float], *, max_rank: int | None
+) -> tuple[tuple[int, ...], tuple[float, ...]]:
+    """Per-slot ``lora_ranks`` (ints in ``[0, max_rank]``) and ``scalings`` (finite in float32),
+    one entry per slot each, as tuples of Python numbers."""
+    ranks = _host_values("lora_ranks", lora_ranks)
+    scales = _host_values("scalings", scalings)
+    if len(ranks) != len(scales):
+        raise ValueError(
+            f"lora_ranks and scalings must have one entry per slot; got {len(ranks)} and {len(scales)}"
+        )
+    ranks = _int_values("lora_ranks", ranks, 0, MAX_TOKENS)  # int32 on the device
+    for slot, rank in enumerate(ranks):
+        if max_rank is not None and rank > max_rank:
+            raise ValueError(f"lora_ranks[{slot}] = {rank} exceeds max_rank = {max_rank}")
+    return tuple(ranks), _finite_float32_values(scales)
+
+
+def check_capacity(requests: Requests, capacity: int) -> None:
+    """``ValueError`` when ``requests`` hold more tokens than a graph-mode batch's ``capacity``."""
+    if requests.num_tokens > capacity:
+        raise ValueError(
+            f"seq_lens sum to {requests.num_tokens} tokens, more than max_tokens = {capacity}"
+        )
+
+
+def _host_values(name: str, values: Sequence) -> list | tuple:
+    """``values`` as a list or tuple of host numbers, read and never written (so not copied)."""
+    if type(values) is list or type(values) is tuple:  # the common case, before the ABC checks below
+        return values
+    if isinstance(values, torch.Tensor):
+        if values.device.type != "cpu":
+            raise ValueError(
+                f"{name} must be host data (a list or a CPU tensor), got a tensor on {values.device}; "
+                "reading it would synchronize the device"
+            )
+        if values.dim() != 1:
+            raise ValueError(f"{name} must be one-dimensional, got shape {tuple(values.shape)}")
+        return values.tolist()
+    if isinstance(values, (str, bytes, Mapping, Set)):  # unordered or not numbers: never a silent guess
+        raise TypeError(f"{name} must be a sequence of numbers, got {type(values).__name__}")
+    try:
+        return list(values)
+    except TypeError:
+        raise TypeError(f"{name} must be a sequence, got {type(values).__name__}") from None
+
+
+def _int_values(name: str, values: Sequence, minimum: int, maximum: int | None = None) -> Sequence[int]:
+    """``values`` unchanged when they are plain ints in range; else each checked, naming the bad one."""
+    if values and are_plain_ints(values):
+        if min(values) >= minimum and (maximum is None or max(values) <= maximum):
+            return values
+    return [check_int(f"{name}[{i}]", v, minimum=minimum, maximum=maximum) for i, v in enumerate(values)]
+
+
+def _finite_float32_values(scales: Sequence) -> tuple[float, ...]:
+    """Scalings as Python floats, each finite in float32; vectorised for plain floats and ints."""
+    if scales and set(map(type, scales)) <= {float, int}:
+        try:
+            values = np.array(scales, dtype=np.float64)
+        except OverflowError:  # an int too large for a float: checked one by one below
+            values = None
+        if values is not None and np.isfinite(values).all() and np.abs(values).max() <= FLOAT32_MAX:
+            return tuple(values.tolist())
+    return tuple(check_finite_float(f"scalings[{slot}]", scale, float32=True) for slot, scale in enumerate(scales))
