@@ -2,10 +2,13 @@
 
 Under ``torch.compile`` (``torch.compiler.is_compiling()``) the public ops of
 :mod:`lora_cuda.ops` and the graph-safe ops of :mod:`lora_cuda.graph_ops` each
-trace as one call of an op below. Each op is opaque to the compiler: its fake
-implementation gives the output's shape and dtype (and declares that
-``expand_`` updates ``base_output`` in place), and its implementation, run
-when the compiled code runs, on real tensors, is the eager code:
+trace as one call of an op below; both import this module, so the ops are
+registered before anything can call them. The ops run the kernels of
+:mod:`lora_cuda.graph_kernels` and import nothing that imports this module.
+Each op is opaque to the compiler: its fake implementation gives the output's
+shape and dtype (and declares that ``expand_`` updates ``base_output`` in
+place), and its implementation, run when the compiled code runs, on real
+tensors, is the eager code:
 
 * the boundary checks of ``lora_core.validation`` against the batch as it is
   now (so a refilled batch is checked like an eager call);
@@ -42,12 +45,7 @@ import torch
 from lora_core import BatchInfo, build_batch_info
 from lora_core.validation import check_embedding_inputs, check_lora_a_inputs, check_lora_b_inputs, check_token_ids
 
-from .graph_ops import (
-    check_graph_kernel,
-    sgemm_lora_a_embedding_graph_fwd,
-    sgemm_lora_a_graph_fwd,
-    sgemm_lora_b_graph_fwd,
-)
+from .graph_kernels import check_graph_kernel, graph_embedding_shrink, graph_expand, graph_shrink
 from .graph_plans import batch_args, batch_of_key
 
 __all__ = ["OPS", "compiled_embedding_shrink", "embedding_shrink", "expand_", "shrink"]
@@ -94,7 +92,7 @@ def shrink(x: torch.Tensor, weights: torch.Tensor, batch_key: int, batch_host: l
     """``lora_cuda.sgemm_lora_a_fwd`` (graph-safe kernels) for the batch ``batch_key`` / ``batch_host``."""
     info = _batch(batch_key, batch_host, x.device)
     check_lora_a_inputs(x, weights, info, num_slices)
-    return sgemm_lora_a_graph_fwd(x, weights, info, num_slices, kernel=check_graph_kernel(kernel))
+    return graph_shrink(x, weights, info, num_slices, check_graph_kernel(kernel))
 
 
 @shrink.register_fake
@@ -110,7 +108,7 @@ def expand_(x: torch.Tensor, weights: torch.Tensor, batch_key: int, batch_host: 
     """``lora_cuda.sgemm_lora_b_fwd`` (graph-safe kernels) accumulating into ``base_output`` in place."""
     info = _batch(batch_key, batch_host, x.device)
     offsets = check_lora_b_inputs(x, weights, info, slice_offsets, base_output)
-    sgemm_lora_b_graph_fwd(x, weights, info, offsets, base_output, kernel=check_graph_kernel(kernel))
+    graph_expand(x, weights, info, offsets, base_output, check_graph_kernel(kernel))
 
 
 @expand_.register_fake
@@ -130,7 +128,7 @@ def embedding_shrink(ids: torch.Tensor, weights: torch.Tensor, batch_key: int, b
         check_token_ids(ids, num_valid)
     if weights.numel() == 0:
         return weights.new_zeros(ids.shape[0], weights.shape[1])
-    return sgemm_lora_a_embedding_graph_fwd(ids, weights, info, num_valid)
+    return graph_embedding_shrink(ids, weights, info, num_valid)
 
 
 @embedding_shrink.register_fake
