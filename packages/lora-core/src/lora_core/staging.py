@@ -23,10 +23,12 @@ written again (an event, not a device synchronisation).
 from __future__ import annotations
 
 import math
-from typing import Mapping
+from typing import Any, Mapping
 
 import numpy as np
 import torch
+
+from .platforms import platform_for
 
 __all__ = ["StagedTensors", "publish_arrays"]
 
@@ -54,8 +56,8 @@ def _empty_array(shape: tuple[int, ...], dtype: torch.dtype) -> np.ndarray:
 
 
 def _views(buffer: torch.Tensor, layout: dict) -> tuple[dict[str, torch.Tensor], dict[str, np.ndarray] | None]:
-    """The fields' tensor views of ``buffer`` and, for a CPU buffer, their NumPy views."""
-    if buffer.device.type == "cpu" and all(dtype in _NUMPY_DTYPES for _, _, dtype in layout.values()):
+    """The fields' tensor views of ``buffer`` and, for a buffer in host memory, their NumPy views."""
+    if platform_for(buffer.device).host_memory and all(dtype in _NUMPY_DTYPES for _, _, dtype in layout.values()):
         data = buffer.numpy()  # views made through NumPy cost a third of torch's view calls
         arrays = {
             name: data[offset : offset + math.prod(shape) * dtype.itemsize].view(_NUMPY_DTYPES[dtype]).reshape(shape)
@@ -84,15 +86,16 @@ class StagedTensors:
     """
 
     def __init__(self, fields: FieldSpecs, device: torch.device, *, double_buffered: bool = False) -> None:
-        self._pin = device.type == "cuda" and torch.cuda.is_available()
+        self._platform = platform = platform_for(device)
+        self._pin = platform.pinned_staging
         self._device = device
         count = 2 if double_buffered else 1
-        self._events: list[torch.cuda.Event | None] = [None] * count
+        self._events: list[Any | None] = [None] * count
         self._next = 0
-        # one host copy, on the CPU: it is the device copy too, and an upload copies nothing; with
+        # one host copy, in host memory: it is the device copy too, and an upload copies nothing; with
         # no copy to make in one piece, each field is an array of its own (a third of the cost of
         # laying them out in one buffer: what an eager batch pays)
-        self._shared = count == 1 and device.type == "cpu"
+        self._shared = count == 1 and platform.host_memory
         if self._shared:
             arrays = {name: _empty_array(shape, dtype) for name, (shape, dtype) in fields.items()}
             self._host_arrays = [arrays]
@@ -109,9 +112,9 @@ class StagedTensors:
             self._host_arrays.append(arrays if arrays is not None else {k: v.numpy() for k, v in views.items()})
         self._device_buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
         self.device: dict[str, torch.Tensor] = _views(self._device_buffer, self._layout)[0]
-        # a CPU device buffer is written with NumPy copies: a third of a torch copy's cost
+        # a device buffer in host memory is written with NumPy copies: a third of a torch copy's cost
         self._byte_arrays = ([buffer.numpy() for buffer in self._buffers], self._device_buffer.numpy()) \
-            if device.type == "cpu" else None
+            if platform.host_memory else None
         self.published: dict[str, torch.Tensor] = self._host_views[0]
 
     @property
@@ -156,9 +159,7 @@ class StagedTensors:
         elif not self._shared:  # (a shared host copy is the device copy)
             self._device_buffer.copy_(self._buffers[self._next], non_blocking=self._pin)
         if self._pin:
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(self._device))  # the copy's stream, whatever device is current
-            self._events[self._next] = event
+            self._events[self._next] = self._platform.record_copy(self._device)
         self.published = self._host_views[self._next]
         self._next = (self._next + 1) % len(self._host_arrays)
 
@@ -167,15 +168,15 @@ def publish_arrays(arrays: Mapping[str, np.ndarray], device: torch.device) -> di
     """``name -> array`` as tensors on ``device`` (same shapes and dtypes, which must be among
     the field dtypes: int64, int32, float32, bool), for data published once.
 
-    On the CPU the tensors share the arrays' memory (no copy, no staging buffer: the
-    caller hands the arrays over and must not write them afterwards); elsewhere the
+    In host memory (the CPU) the tensors share the arrays' memory (no copy, no staging buffer:
+    the caller hands the arrays over and must not write them afterwards); elsewhere the
     arrays are packed into one :class:`StagedTensors` buffer and reach the device in
     one copy."""
     for name, array in arrays.items():
         if array.dtype not in _TORCH_DTYPES:
             raise TypeError(f"{name} has dtype {array.dtype}; publish_arrays takes "
                             f"{', '.join(map(str, _TORCH_DTYPES))}")
-    if device.type == "cpu":
+    if platform_for(device).host_memory:
         return {name: torch.from_numpy(np.ascontiguousarray(array)) for name, array in arrays.items()}
     fields = {name: (array.shape, _TORCH_DTYPES[array.dtype]) for name, array in arrays.items()}
     staged = StagedTensors(fields, device)

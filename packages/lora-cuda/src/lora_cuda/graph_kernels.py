@@ -40,6 +40,7 @@ from __future__ import annotations
 import torch
 
 from lora_core import BatchInfo
+from lora_core.platforms import platform_for
 
 from .block_kernels import block_expand, block_shrink
 from .graph_plans import BlockPlan, SortedPlan
@@ -80,7 +81,8 @@ def graph_kernel(
     whose row strides / slice offsets are ``sizes`` elements. Decided from metadata only.
 
     The grouped GEMM needs one row per planned row, contiguous weights and 16-byte
-    aligned strides; ``preference="auto"`` uses it on CPU only (where it is known to
+    aligned strides; ``preference="auto"`` uses it only where the device's platform
+    prefers it (``Platform.prefers_grouped_gemm``: the CPU, where it was measured to
     beat the blocked kernel), ``"grouped"`` wherever it applies.
     """
     if preference == "blocked" or not hasattr(torch, "_grouped_mm"):
@@ -89,7 +91,7 @@ def graph_kernel(
                 and weights.data_ptr() % 16 == 0 and _aligned(weights.dtype, *sizes))
     if preference == "grouped":
         return "grouped" if possible else "blocked"
-    return "grouped" if possible and batch_info.device.type == "cpu" else "blocked"
+    return "grouped" if possible and platform_for(batch_info.device).prefers_grouped_gemm else "blocked"
 
 
 def graph_plan_types(preference: str, device: torch.device) -> tuple[type, ...]:
@@ -100,7 +102,7 @@ def graph_plan_types(preference: str, device: torch.device) -> tuple[type, ...]:
     (docs/graph-rules.md), so a batch pays for refilling it only where it is used."""
     if preference == "blocked" or not hasattr(torch, "_grouped_mm"):
         return (BlockPlan,)
-    if preference == "auto" and device.type != "cpu":
+    if preference == "auto" and not platform_for(device).prefers_grouped_gemm:
         return (BlockPlan,)
     return (SortedPlan,)
 

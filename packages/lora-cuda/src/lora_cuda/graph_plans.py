@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from lora_core import BatchInfo, BatchPlan
+from lora_core.platforms import platform_for
 from lora_core.staging import StagedTensors
 
 from .kernel_tables import KernelTables
@@ -53,9 +54,10 @@ calls, each a parallel region) and better than 128 and 1024."""
 
 def chunk_rows_for(num_rows: int, device: torch.device) -> int:
     """Sorted rows per chunk of a :class:`SortedPlan` of ``num_rows`` rows on ``device``:
-    :data:`CHUNK_ROWS` on CPU, all rows (one chunk) elsewhere, where the caches this
-    saves do not decide the cost and every chunk costs kernel launches."""
-    return min(CHUNK_ROWS, num_rows) if device.type == "cpu" else num_rows
+    :data:`CHUNK_ROWS` where kernel launches cost nothing (the CPU), all rows (one chunk)
+    where they do (``Platform.launches_cost``): there the caches this saves do not decide
+    the cost and every chunk costs kernel launches."""
+    return num_rows if platform_for(device).launches_cost else min(CHUNK_ROWS, num_rows)
 
 
 def block_size_for(num_rows: int, num_slots: int) -> int:
