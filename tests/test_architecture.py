@@ -59,3 +59,48 @@ def test_the_repository_stands_on_its_own():
     citing = [f for f in files if f.endswith((".py", ".md", ".toml", ".ini", ".sh", ".txt"))
               and word in (ROOT / f).read_text(errors="ignore")]
     assert citing == [], f"files citing {word}: {citing}"
+
+
+_IMPORT_EACH = r"""
+import importlib, os, sys
+import torch  # third-party: shared by the forks; every lora-kit module is imported fresh in its own
+for heavy in ("numpy", "safetensors", "transformers", "peft", "hypothesis"):
+    try:
+        importlib.import_module(heavy)
+    except ImportError:
+        pass
+failed = 0
+for name in sys.argv[1:]:
+    pid = os.fork()
+    if pid == 0:
+        try:
+            importlib.import_module(name)
+        except BaseException as err:
+            print(f"{name}: {type(err).__name__}: {err}", flush=True)
+            os._exit(1)
+        os._exit(0)
+    failed += os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) != 0
+sys.exit(1 if failed else 0)
+"""
+
+
+def _modules(package: str) -> list[str]:
+    src = ROOT / "packages" / PACKAGES[package] / "src"
+    names = []
+    for path in sorted((src / package).rglob("*.py")):
+        parts = path.relative_to(src).with_suffix("").parts
+        if parts[-1] == "__main__":  # importing it runs the program
+            continue
+        names.append(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
+    return names
+
+
+@pytest.mark.parametrize("package", sorted(PACKAGES))
+def test_every_module_imports_alone_in_a_fresh_interpreter(package):
+    # no module may depend on another having been imported first (e.g. a custom op that
+    # only some other module registers); each import runs in a fork with no lora-kit module loaded
+    import sys
+
+    result = subprocess.run([sys.executable, "-c", _IMPORT_EACH, *_modules(package)], capture_output=True,
+                            text=True, env={**__import__("os").environ, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"})
+    assert result.returncode == 0, result.stdout + result.stderr[-2000:]

@@ -87,9 +87,12 @@ class PlanCache:
         plan = self._plans.get(plan_type)
         if plan is None:
             if is_capturing():
+                built = ", ".join(t.__name__ for t in self._plans) or "none"
                 raise RuntimeError(
-                    f"{plan_type.__name__} of this batch was not built before the graph capture; call "
-                    "backend.prepare_batch(batch_info), or run the step once, before capturing"
+                    f"{plan_type.__name__} of this batch was not built before the graph capture: a kernel "
+                    f"asked for it during the capture (plans built so far: {built}). Run the captured step "
+                    "once before capturing (a warm-up): its first call builds every plan its kernels read, "
+                    "e.g. the blocked kernel's plan for a layer whose sizes the grouped GEMM rejects"
                 )
             plan = self._plans[plan_type] = plan_type.build(batch_info)
         return plan  # type: ignore[return-value]
