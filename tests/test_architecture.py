@@ -128,3 +128,21 @@ def test_every_module_imports_alone_in_a_fresh_interpreter(package):
     result = subprocess.run([sys.executable, "-c", _IMPORT_EACH, *_modules(package)], capture_output=True,
                             text=True, env={**__import__("os").environ, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"})
     assert result.returncode == 0, result.stdout + result.stderr[-2000:]
+
+
+MAX_MODULE_LINES, MAX_CLASS_LINES = 400, 300
+
+
+def test_source_modules_and_classes_stay_small():
+    # small modules with one job each (docs/architecture.md): a module over 400 lines or a class
+    # over 300 is a sign that it does two jobs
+    too_long = []
+    for path in sorted((ROOT / "packages").glob("*/src/**/*.py")):
+        text = path.read_text()
+        where = str(path.relative_to(ROOT))
+        if text.count("\n") > MAX_MODULE_LINES:
+            too_long.append(f"{where}: {text.count(chr(10))} lines")
+        for node in ast.walk(ast.parse(text, where)):
+            if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > MAX_CLASS_LINES:
+                too_long.append(f"{where}: class {node.name}, {node.end_lineno - node.lineno + 1} lines")
+    assert not too_long, f"over {MAX_MODULE_LINES} lines a module or {MAX_CLASS_LINES} a class: {too_long}"
