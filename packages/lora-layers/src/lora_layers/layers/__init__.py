@@ -25,11 +25,12 @@ from .column_parallel import (
 )
 from .context import LoRAContext, WrapTarget, flatten_tokens, inference_forward
 from .conv1d import Conv1DWithLoRA, is_conv1d
-from .dispatch import LAYER_TYPES, wrap_module
+from .dispatch import LAYER_TYPES, LayerKind, wrap_module
 from .embedding import EmbeddingWithLoRA
 from .linear import LinearWithLoRA, SliceWeights
 from .lm_head import LMHeadWithLoRA
 from .row_parallel import RowParallelLinearWithLoRA
+from .slot_weights import WHOLE_MODULE, ModuleParts, folded_b
 
 __all__ = [
     "LAYER_TYPES",
@@ -37,14 +38,18 @@ __all__ = [
     "Conv1DWithLoRA",
     "EmbeddingWithLoRA",
     "LMHeadWithLoRA",
+    "LayerKind",
     "LinearWithLoRA",
     "LoRAContext",
     "MergedColumnParallelLinearWithLoRA",
+    "ModuleParts",
     "QKVParallelLinearWithLoRA",
     "RowParallelLinearWithLoRA",
     "SliceWeights",
+    "WHOLE_MODULE",
     "WrapTarget",
     "flatten_tokens",
+    "folded_b",
     "inference_forward",
     "is_conv1d",
     "wrap_module",

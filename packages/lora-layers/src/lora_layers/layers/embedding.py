@@ -10,6 +10,7 @@ from lora_core.validation import check_token_ids
 
 from ..parallel import TensorParallel
 from .context import LoRAContext, WrapTarget, inference_forward
+from .slot_weights import ModuleParts, folded_b
 
 __all__ = ["EmbeddingWithLoRA"]
 
@@ -61,7 +62,22 @@ class EmbeddingWithLoRA(nn.Module):
             lora_a = lora_a[:, self.vocab_start : self.vocab_start + self.base_layer.num_embeddings]
         self.buffers.load(slot, lora_a, lora_b, extra_embeddings)
 
+    def load_slot(self, slot: int, parts: ModuleParts, slot_scaling: float) -> None:
+        """Load one adapter's ``lora_embedding_A`` ``(r, V)`` / ``lora_embedding_B`` ``(D, r)`` into ``slot``.
+
+        ``parts`` holds the one pair of this embedding (unsharded vocabulary; its
+        scaling relative to ``slot_scaling`` is folded into B). ``ValueError`` when
+        the weights are not an embedding's or do not fit.
+        """
+        if len(parts) != 1:
+            raise ValueError(f"an embedding takes one lora_embedding_A/B pair, got {len(parts)}")
+        (w,) = parts.values()
+        if w.kind != "embedding":
+            raise ValueError("expected lora_embedding_A/B weights for an embedding")
+        self.set_lora(slot, w.lora_a, folded_b(w, slot_scaling))
+
     def reset_lora(self, slot: int) -> None:
+        """Zero ``slot``'s weights and added-token rows (the adapter in it is unloaded)."""
         self.buffers.clear(slot)
 
     @inference_forward
