@@ -51,14 +51,20 @@ def _build_context(backend: str | LoRABackend, *, max_loras: int, max_rank: int,
                    dtype: torch.dtype, strict_token_ids: bool) -> LoRAContext:
     """The wrappers' shared context: the backend (built on ``device`` by name, or the
     instance given, which must run there) and the LoRA buffers' shape, dtype, device."""
-    backend_obj = get_backend(backend)(device) if isinstance(backend, str) else backend
+    if isinstance(backend, str):
+        backend_cls = get_backend(backend)
+        backend_obj = backend_cls(device, strict_token_ids=True) if strict_token_ids else backend_cls(device)
+    else:
+        backend_obj = backend
+        if strict_token_ids and not getattr(backend, "strict_token_ids", False):
+            raise ValueError("strict_token_ids=True is the backend's option, and this backend instance was built "
+                             f"without it: build it with {type(backend).__name__}(..., strict_token_ids=True)")
     backend_device = getattr(backend_obj, "device", device)
     if backend_device.type != device.type or (None not in (backend_device.index, device.index)
                                              and backend_device.index != device.index):
         raise ValueError(f"backend runs on {backend_device} but the model's LoRA buffers live on {device}; "
                          f"build the backend with device={str(device)!r}")
-    return LoRAContext(backend_obj, num_slots=max_loras, max_rank=max_rank, dtype=dtype,
-                       device=device, strict_token_ids=strict_token_ids)
+    return LoRAContext(backend_obj, num_slots=max_loras, max_rank=max_rank, dtype=dtype, device=device)
 
 
 class MultiLoRA:
@@ -84,8 +90,10 @@ class MultiLoRA:
         slice_widths: explicit widths of packed modules, when they cannot be inferred.
         lm_head_modules: names (full, or last component) wrapped as LM heads (accept
             every token or one per request).
-        strict_token_ids: embedding layers raise on out-of-vocabulary ids instead of
-            giving them a zero delta (eager calls only).
+        strict_token_ids: the backend's option of that name: out-of-vocabulary token
+            ids raise ``ValueError`` naming them instead of getting a zero delta
+            (eager calls only). A backend built by name is built with it; a backend
+            instance must have been built with it (``ValueError`` otherwise).
         eviction: what :meth:`load_adapter` does when every slot is taken: ``None``
             (default) raises; ``"lru"`` unloads the adapter used least recently by a
             batch (``set_batch`` / ``route``), never one of the active route.

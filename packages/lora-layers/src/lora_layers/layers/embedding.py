@@ -6,7 +6,6 @@ import torch
 from torch import nn
 
 from lora_core import EmbeddingLoRABuffers
-from lora_core.validation import check_token_ids
 
 from ..parallel import TensorParallel
 from .context import LoRAContext, WrapTarget, inference_forward
@@ -20,10 +19,14 @@ class EmbeddingWithLoRA(nn.Module):
 
     Ids in ``[V, V + num_added_tokens)`` look up the token's slot's added
     embedding (the backend's ``run_added_tokens``); ids outside the vocabulary
-    get a zero base row and a zero LoRA delta, or raise when the context's
-    ``strict_token_ids`` is on (checked here against the whole vocabulary, not a
-    shard). The base layer's ``embed_scale`` (Gemma-style scaled embeddings) also
-    scales the delta and the added rows.
+    get a zero base row and a zero LoRA delta, or raise ``ValueError`` when the
+    backend was built with ``strict_token_ids=True`` (its embedding op checks
+    them; eager calls only). The base layer's ``embed_scale`` (Gemma-style scaled
+    embeddings) also scales the delta and the added rows.
+
+    A vocab-parallel embedding (``tp.size > 1``) gives the backend each shard's
+    local ids, so the other shards' ids are out of its range: it refuses a
+    ``strict_token_ids`` backend.
     """
 
     def __init__(self, base_layer: nn.Embedding, context: LoRAContext, num_added_tokens: int = 0,
@@ -36,6 +39,10 @@ class EmbeddingWithLoRA(nn.Module):
         self.tp = tp or TensorParallel()
         if num_added_tokens and self.tp.size > 1:
             raise ValueError("added tokens are not supported with a vocab-parallel embedding (tp_size > 1)")
+        if self.tp.size > 1 and getattr(context.backend, "strict_token_ids", False):
+            raise ValueError("a vocab-parallel embedding (tp_size > 1) cannot run on a backend built with "
+                             "strict_token_ids=True: the backend checks each shard's ids against the shard's "
+                             "vocabulary, which rejects the other shards' ids")
         local_vocab = base_layer.num_embeddings
         self.vocab_size = local_vocab * self.tp.size
         self.vocab_start = self.tp.rank * local_vocab
@@ -85,8 +92,6 @@ class EmbeddingWithLoRA(nn.Module):
         """``ids: (...)`` integer -> ``(..., D)``."""
         lead = ids.shape
         flat = ids.reshape(-1)
-        if self.context.strict_token_ids:
-            check_token_ids(flat, self.vocab_size + self.buffers.num_added_tokens)
         backend = self.context.backend
         local_ids = flat - self.vocab_start
         local_vocab = self.base_layer.num_embeddings
