@@ -1,10 +1,12 @@
 """Module wrappers that add a multi-LoRA delta to a base layer through a backend.
 
 One module per layer kind. Each wrapper keeps its base module (``base_layer``),
-owns its stacked LoRA buffers (docs/layout.md) and, in ``forward``, flattens the
-leading dims to ``(T, features)``, runs the base layer and lets the backend
-accumulate the LoRA delta into the base output in place. Adapter weights are
-given unsharded; tensor-parallel wrappers take their shard.
+owns its stacked LoRA buffers (docs/layout.md), loads an adapter's weights into
+a slot of them itself (``load_slot``; ``reset_lora`` zeroes one) and, in
+``forward``, flattens the leading dims to ``(T, features)``, runs the base layer
+and lets the backend accumulate the LoRA delta into the base output in place.
+Adapter weights are given unsharded; tensor-parallel wrappers take their shard.
+:func:`wrap_module` picks the kind from the ordered :data:`LAYER_TYPES`.
 
 | wrapper | base (local shard) | LoRA A | LoRA B | backend calls | communication |
 |---|---|---|---|---|---|
