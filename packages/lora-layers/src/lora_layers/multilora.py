@@ -218,7 +218,7 @@ class MultiLoRA:
 
     @property
     def _route(self) -> list[str | None] | None:
-        """The active route (``None`` outside :meth:`route`)."""
+        """The active route (``None`` outside :meth:`route`); its home is the router."""
         return self._router.active
 
     def unwrap(self) -> nn.Module:
@@ -296,12 +296,6 @@ class MultiLoRA:
         """
         with self._router.routing(adapters):
             yield self
-
-    def generate(self, *args: Any, adapter_names: Sequence[str | None], **kwargs: Any) -> Any:
-        """``model.generate(*args, **kwargs)`` with one adapter per input row (PEFT's
-        ``generate(..., adapter_names=[...])``); the same as inside :meth:`route`."""
-        with self.route(adapter_names):
-            return self.model.generate(*args, **kwargs)
 
     def generate(self, *args: Any, adapter_names: Sequence[str | None], **kwargs: Any) -> Any:
         """``model.generate(*args, **kwargs)`` with one adapter per input row (PEFT's
