@@ -11,7 +11,9 @@ from .models import TinyConfig, TinyDecoder  # noqa: E402
 from .multilora import MultiLoRA  # noqa: E402
 from .parallel import TensorParallel  # noqa: E402
 from .layers import (  # noqa: E402
+    LAYER_TYPES,
     ColumnParallelLinearWithLoRA,
+    Conv1DWithLoRA,
     EmbeddingWithLoRA,
     LinearWithLoRA,
     LMHeadWithLoRA,
@@ -24,7 +26,9 @@ from .layers import (  # noqa: E402
 __version__ = "0.1.0"
 
 __all__ = [
+    "LAYER_TYPES",
     "ColumnParallelLinearWithLoRA",
+    "Conv1DWithLoRA",
     "EmbeddingWithLoRA",
     "LMHeadWithLoRA",
     "LinearWithLoRA",

@@ -1,10 +1,12 @@
 """Module wrappers that add a multi-LoRA delta to a base layer through a backend.
 
 One module per layer kind. Each wrapper keeps its base module (``base_layer``),
-owns its stacked LoRA buffers (docs/layout.md) and, in ``forward``, flattens the
-leading dims to ``(T, features)``, runs the base layer and lets the backend
-accumulate the LoRA delta into the base output in place. Adapter weights are
-given unsharded; tensor-parallel wrappers take their shard.
+owns its stacked LoRA buffers (docs/layout.md), loads an adapter's weights into
+a slot of them itself (``load_slot``; ``reset_lora`` zeroes one) and, in
+``forward``, flattens the leading dims to ``(T, features)``, runs the base layer
+and lets the backend accumulate the LoRA delta into the base output in place.
+Adapter weights are given unsharded; tensor-parallel wrappers take their shard.
+:func:`wrap_module` picks the kind from the ordered :data:`LAYER_TYPES`.
 
 | wrapper | base (local shard) | LoRA A | LoRA B | backend calls | communication |
 |---|---|---|---|---|---|
@@ -25,11 +27,12 @@ from .column_parallel import (
 )
 from .context import LoRAContext, WrapTarget, flatten_tokens, inference_forward
 from .conv1d import Conv1DWithLoRA, is_conv1d
-from .dispatch import LAYER_TYPES, wrap_module
+from .dispatch import LAYER_TYPES, LayerKind, wrap_module
 from .embedding import EmbeddingWithLoRA
 from .linear import LinearWithLoRA, SliceWeights
 from .lm_head import LMHeadWithLoRA
 from .row_parallel import RowParallelLinearWithLoRA
+from .slot_weights import WHOLE_MODULE, ModuleParts, folded_b
 
 __all__ = [
     "LAYER_TYPES",
@@ -37,14 +40,18 @@ __all__ = [
     "Conv1DWithLoRA",
     "EmbeddingWithLoRA",
     "LMHeadWithLoRA",
+    "LayerKind",
     "LinearWithLoRA",
     "LoRAContext",
     "MergedColumnParallelLinearWithLoRA",
+    "ModuleParts",
     "QKVParallelLinearWithLoRA",
     "RowParallelLinearWithLoRA",
     "SliceWeights",
+    "WHOLE_MODULE",
     "WrapTarget",
     "flatten_tokens",
+    "folded_b",
     "inference_forward",
     "is_conv1d",
     "wrap_module",

@@ -34,6 +34,11 @@ class ColumnParallelLinearWithLoRA(LinearWithLoRA):
     def _local_rows(self, slice_index: int, width: int, tp: TensorParallel) -> tuple[int, int]:
         return shard_range(width, tp.rank, tp.size)
 
+    @property
+    def unsharded_slice_widths(self) -> tuple[int, ...]:
+        """The slices' output widths over all ranks (this rank's buffers hold its rows of each)."""
+        return tuple(self.full_slice_widths)
+
     def _shard_b(self, slice_index: int, b: torch.Tensor) -> torch.Tensor:
         if b.shape[0] != self.full_slice_widths[slice_index]:
             raise ValueError(

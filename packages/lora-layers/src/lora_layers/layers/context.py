@@ -17,17 +17,12 @@ F = TypeVar("F", bound=Callable)
 
 
 class LoRAContext:
-    """The backend (which also holds the current batch), the slot count, max rank,
-    dtype and device of the layers' LoRA buffers, and the layers' options.
-
-    Args:
-        strict_token_ids: embedding layers raise ``ValueError`` naming the first
-            out-of-vocabulary ids (checked against the whole vocabulary, eager
-            calls only) instead of giving them a zero delta.
-    """
+    """The backend (which also holds the current batch and the ops' options, such as
+    ``strict_token_ids``), and the slot count, max rank, dtype and device of the
+    layers' LoRA buffers: what every wrapper of one model shares."""
 
     def __init__(self, backend: LoRABackend, *, num_slots: int, max_rank: int, dtype: torch.dtype,
-                 device: torch.device | str, strict_token_ids: bool = False) -> None:
+                 device: torch.device | str) -> None:
         if not isinstance(backend, LoRABackend):
             raise TypeError(f"backend must be a lora_core.LoRABackend, got {type(backend).__name__}")
         self.backend = backend
@@ -35,7 +30,6 @@ class LoRAContext:
         self.max_rank = max_rank
         self.dtype = dtype
         self.device = check_device("device", device)
-        self.strict_token_ids = bool(strict_token_ids)
 
 
 @dataclass(frozen=True)

@@ -6,10 +6,10 @@ import torch
 from torch import nn
 
 from lora_core import EmbeddingLoRABuffers
-from lora_core.validation import check_token_ids
 
 from ..parallel import TensorParallel
 from .context import LoRAContext, WrapTarget, inference_forward
+from .slot_weights import ModuleParts, folded_b
 
 __all__ = ["EmbeddingWithLoRA"]
 
@@ -19,10 +19,14 @@ class EmbeddingWithLoRA(nn.Module):
 
     Ids in ``[V, V + num_added_tokens)`` look up the token's slot's added
     embedding (the backend's ``run_added_tokens``); ids outside the vocabulary
-    get a zero base row and a zero LoRA delta, or raise when the context's
-    ``strict_token_ids`` is on (checked here against the whole vocabulary, not a
-    shard). The base layer's ``embed_scale`` (Gemma-style scaled embeddings) also
-    scales the delta and the added rows.
+    get a zero base row and a zero LoRA delta, or raise ``ValueError`` when the
+    backend was built with ``strict_token_ids=True`` (its embedding op checks
+    them; eager calls only). The base layer's ``embed_scale`` (Gemma-style scaled
+    embeddings) also scales the delta and the added rows.
+
+    A vocab-parallel embedding (``tp.size > 1``) gives the backend each shard's
+    local ids, so the other shards' ids are out of its range: it refuses a
+    ``strict_token_ids`` backend.
     """
 
     def __init__(self, base_layer: nn.Embedding, context: LoRAContext, num_added_tokens: int = 0,
@@ -35,6 +39,10 @@ class EmbeddingWithLoRA(nn.Module):
         self.tp = tp or TensorParallel()
         if num_added_tokens and self.tp.size > 1:
             raise ValueError("added tokens are not supported with a vocab-parallel embedding (tp_size > 1)")
+        if self.tp.size > 1 and getattr(context.backend, "strict_token_ids", False):
+            raise ValueError("a vocab-parallel embedding (tp_size > 1) cannot run on a backend built with "
+                             "strict_token_ids=True: the backend checks each shard's ids against the shard's "
+                             "vocabulary, which rejects the other shards' ids")
         local_vocab = base_layer.num_embeddings
         self.vocab_size = local_vocab * self.tp.size
         self.vocab_start = self.tp.rank * local_vocab
@@ -61,7 +69,22 @@ class EmbeddingWithLoRA(nn.Module):
             lora_a = lora_a[:, self.vocab_start : self.vocab_start + self.base_layer.num_embeddings]
         self.buffers.load(slot, lora_a, lora_b, extra_embeddings)
 
+    def load_slot(self, slot: int, parts: ModuleParts, slot_scaling: float) -> None:
+        """Load one adapter's ``lora_embedding_A`` ``(r, V)`` / ``lora_embedding_B`` ``(D, r)`` into ``slot``.
+
+        ``parts`` holds the one pair of this embedding (unsharded vocabulary; its
+        scaling relative to ``slot_scaling`` is folded into B). ``ValueError`` when
+        the weights are not an embedding's or do not fit.
+        """
+        if len(parts) != 1:
+            raise ValueError(f"an embedding takes one lora_embedding_A/B pair, got {len(parts)}")
+        (w,) = parts.values()
+        if w.kind != "embedding":
+            raise ValueError("expected lora_embedding_A/B weights for an embedding")
+        self.set_lora(slot, w.lora_a, folded_b(w, slot_scaling))
+
     def reset_lora(self, slot: int) -> None:
+        """Zero ``slot``'s weights and added-token rows (the adapter in it is unloaded)."""
         self.buffers.clear(slot)
 
     @inference_forward
@@ -69,8 +92,6 @@ class EmbeddingWithLoRA(nn.Module):
         """``ids: (...)`` integer -> ``(..., D)``."""
         lead = ids.shape
         flat = ids.reshape(-1)
-        if self.context.strict_token_ids:
-            check_token_ids(flat, self.vocab_size + self.buffers.num_added_tokens)
         backend = self.context.backend
         local_ids = flat - self.vocab_start
         local_vocab = self.base_layer.num_embeddings

@@ -7,10 +7,11 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from lora_core import LinearLoRABuffers
+from lora_core import LinearLoRABuffers, slice_offsets_from_widths
 
 from ..parallel import TensorParallel
 from .context import LoRAContext, WrapTarget, flatten_tokens, inference_forward
+from .slot_weights import WHOLE_MODULE, ModuleParts, folded_b
 
 __all__ = ["LinearWithLoRA", "SliceWeights"]
 
@@ -62,6 +63,11 @@ class LinearWithLoRA(nn.Module):
     def num_slices(self) -> int:
         return self.buffers.num_slices
 
+    @property
+    def unsharded_slice_widths(self) -> tuple[int, ...]:
+        """Output widths of the slices of the unsharded layer, which adapter weights are given for."""
+        return self.buffers.slice_widths
+
     # Tensor-parallel subclasses override these to take their shard of full weights.
     def _shard_a(self, a: torch.Tensor) -> torch.Tensor:
         return a
@@ -77,7 +83,31 @@ class LinearWithLoRA(nn.Module):
         b = [None if s is None else self._shard_b(i, s[1]) for i, s in enumerate(slices)]
         self.buffers.load(slot, a, b)
 
+    def load_slot(self, slot: int, parts: ModuleParts, slot_scaling: float) -> None:
+        """Load one adapter's ``lora_A`` / ``lora_B`` weights for this layer into ``slot``.
+
+        ``parts``: slice index -> weights (``A (r, in)``, ``B (out_i, r)``; slices
+        the adapter does not train get no delta), or :data:`WHOLE_MODULE` -> one pair
+        for the whole layer (``B (out, r)``, split by slice here: a packed projection
+        the adapter trained fused). Weights are unsharded; each module's scaling
+        relative to ``slot_scaling`` is folded into B. ``ValueError`` when the
+        weights are not a linear layer's or do not fit.
+        """
+        if any(w.kind != "linear" for w in parts.values()):
+            raise ValueError("expected lora_A/lora_B weights for a linear layer")
+        if WHOLE_MODULE in parts:
+            w = parts[WHOLE_MODULE]
+            b, offsets = folded_b(w, slot_scaling), slice_offsets_from_widths(self.unsharded_slice_widths)
+            if b.shape[0] != offsets[-1]:
+                raise ValueError(f"lora_B has {b.shape[0]} rows, the layer has {offsets[-1]} outputs")
+            slices = [(w.lora_a, b[offsets[i] : offsets[i + 1]]) for i in range(self.num_slices)]
+        else:
+            slices = [(parts[i].lora_a, folded_b(parts[i], slot_scaling)) if i in parts else None
+                      for i in range(self.num_slices)]
+        self.set_lora(slot, slices)
+
     def reset_lora(self, slot: int) -> None:
+        """Zero ``slot``'s weights (the adapter in it is unloaded)."""
         self.buffers.clear(slot)
 
     def _base(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,44 @@
+"""Graph mode: one preallocated batch, refilled in place, so a captured forward replays.
+
+After :meth:`GraphMode.enable` the backend holds a batch info of ``max_tokens``
+rows (``backend.init_graph_batch_info``) whose tensors never move: each new batch
+is written into it (:meth:`BatchInfo.refill`, which refills the backend's plans
+with it), and loading or unloading an adapter updates its ranks and scalings in
+place (:meth:`BatchInfo.set_adapters`). See docs/graph-rules.md.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from lora_core import AdapterSlots, BatchInfo, LoRABackend
+
+__all__ = ["GraphMode"]
+
+
+class GraphMode:
+    """Whether the backend's batch is a preallocated graph-mode batch, and its refills."""
+
+    def __init__(self, backend: LoRABackend) -> None:
+        self.backend = backend
+        self.enabled = False
+
+    def enable(self, max_tokens: int, slots: AdapterSlots) -> BatchInfo:
+        """Preallocate a batch of ``max_tokens`` rows with ``slots``' ranks and scalings,
+        hand it to the backend, and switch to refilling it; returns it."""
+        info = self.backend.init_graph_batch_info(max_tokens, slots.lora_ranks, slots.scalings)
+        self.backend.prepare_batch(info)
+        self.enabled = True
+        return info
+
+    def refill(self, seq_lens: Sequence[int], slot_ids: Sequence[int | None]) -> BatchInfo:
+        """Write requests of ``seq_lens`` tokens in slots ``slot_ids`` (``None``: no adapter)
+        into the preallocated batch, in place; returns it."""
+        info = self.backend.batch_info
+        info.refill(seq_lens, slot_ids)  # in place: the backend's plans are refilled with it
+        return info
+
+    def update_adapters(self, slots: AdapterSlots) -> None:
+        """Copy ``slots``' ranks and scalings into the preallocated batch (a no-op before :meth:`enable`)."""
+        if self.enabled:
+            self.backend.batch_info.set_adapters(slots.lora_ranks, slots.scalings)

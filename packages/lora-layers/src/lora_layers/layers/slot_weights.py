@@ -1,0 +1,39 @@
+"""What a layer kind's ``load_slot`` receives: one adapter's weights for one wrapped module.
+
+``MultiLoRA`` reads a PEFT adapter (:class:`lora_core.adapters.LoRAModuleWeights`
+per PEFT module), finds the wrapped module each PEFT module lives in, and hands
+each wrapper its part as :data:`ModuleParts`: slice index -> weights, where a
+packed projection (qkv, gate_up) gets one entry per slice the adapter trained
+(``q_proj`` -> 0, ``k_proj`` -> 1, ...) and a module trained as a whole (a plain
+layer, or a packed one the adapter trained fused) gets the single key
+:data:`WHOLE_MODULE`. The wrapper checks the kind and shapes and writes its own
+buffers.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+
+from lora_core.adapters import LoRAModuleWeights
+
+__all__ = ["WHOLE_MODULE", "ModuleParts", "folded_b"]
+
+WHOLE_MODULE = -1
+"""The key of :data:`ModuleParts` for weights that cover the whole module (every slice)."""
+
+ModuleParts = Mapping[int, LoRAModuleWeights]
+"""Slice index (or :data:`WHOLE_MODULE`) -> that part's LoRA pair, unsharded."""
+
+
+def folded_b(weights: LoRAModuleWeights, slot_scaling: float) -> torch.Tensor:
+    """``weights.lora_b`` ``(out, r)`` with the module's own scaling relative to the slot's folded in.
+
+    The slot applies ``slot_scaling`` (the adapter's ``lora_alpha / r``) to every
+    module; a module with its own ``alpha_pattern`` / ``rank_pattern`` scaling
+    gets ``lora_b * (scaling / slot_scaling)``, so the product is its scaling.
+    """
+    if weights.scaling == slot_scaling:
+        return weights.lora_b
+    return weights.lora_b * (weights.scaling / slot_scaling)
