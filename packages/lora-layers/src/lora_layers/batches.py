@@ -17,6 +17,7 @@ from typing import Sequence
 import torch
 
 from lora_core import AdapterSlots, BatchInfo, build_batch_info
+from lora_core.checks import are_plain_ints
 
 __all__ = ["BATCH_CACHE_SIZE", "BatchCache"]
 
@@ -51,7 +52,7 @@ class BatchCache:
         is a plain ``int``; a ``2.0`` would compare equal to ``2`` and is validated
         by ``build_batch_info`` instead)."""
         lens = tuple(seq_lens)
-        key = (lens, tuple(slot_ids)) if set(map(type, lens)) <= {int} else None
+        key = (lens, tuple(slot_ids)) if are_plain_ints(lens) else None
         info = self._batches.get(key) if key is not None else None
         if info is not None:
             self._batches.move_to_end(key)
