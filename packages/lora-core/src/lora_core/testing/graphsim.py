@@ -135,12 +135,18 @@ class GraphSimulator:
             )
 
         monitor = HostAccessMonitor(self._on_violation, self._on_op, self._on_host_read)
+        # For the capture only, torch.cuda answers as inside a real capture: synchronize() is a
+        # violation, and is_current_stream_capturing() is True, so code that takes a capture-safe
+        # path when asked (transformers' is_tracing) takes it here too.
+        real_capturing = torch.cuda.is_current_stream_capturing
         torch.cuda.synchronize = synchronize
+        torch.cuda.is_current_stream_capturing = lambda: True
         try:
             with torch.no_grad(), simulated_capture(), monitor:
                 self._outputs = fn(*static_inputs)
         finally:
             torch.cuda.synchronize = real_sync
+            torch.cuda.is_current_stream_capturing = real_capturing
         self._captured = True
         return self._outputs
 
