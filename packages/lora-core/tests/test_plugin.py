@@ -183,3 +183,20 @@ def test_an_unknown_device_option_is_a_usage_error_naming_the_choices(tmp_path, 
     project = _write(tmp_path, {"test_op.py": "def test_op(device):\n    pass\n"})
     run = _pytest(project, bad)
     assert run.returncode == 4 and "invalid choice: 'cdua'" in run.stderr and "'cpu-graphsim'" in run.stderr
+
+
+def test_the_example_package_suite_runs_through_the_plugin_alone():
+    """examples/graph-safe-ops (its own pyproject.toml, no conftest.py): the graph-safe op passes
+    on every present device kind, the host-reading one is an expected failure on cpu-graphsim
+    with the simulator's message. ``tox -e py311-example`` runs the same suite from the wheels."""
+    example = ROOT / "examples" / "graph-safe-ops"
+    run = _pytest(example, "-c", str(example / "pyproject.toml"), "--rootdir", str(example), "-v",
+                  "-p", "no:logging", str(example / "tests"), pythonpath=str(example / "src"))
+    assert run.returncode == 0, run.stdout + run.stderr
+    for name in DEVICE_NAMES:
+        outcome = "PASSED" if probe_device(name).available else "SKIPPED"
+        assert f"test_graph_safe_op_is_right_for_both_batches[{name}] {outcome}" in run.stdout
+    assert "test_host_reading_op_is_right_for_both_batches[cpu] PASSED" in run.stdout
+    assert "test_host_reading_op_is_right_for_both_batches[cpu-graphsim] XFAIL" in run.stdout
+    assert "test_the_simulator_names_the_host_read_and_where[cpu-graphsim] PASSED" in run.stdout
+    assert "conftest" not in " ".join(p.name for p in example.rglob("*.py"))
