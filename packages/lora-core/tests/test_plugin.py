@@ -200,3 +200,14 @@ def test_the_example_package_suite_runs_through_the_plugin_alone():
     assert "test_host_reading_op_is_right_for_both_batches[cpu-graphsim] XFAIL" in run.stdout
     assert "test_the_simulator_names_the_host_read_and_where[cpu-graphsim] PASSED" in run.stdout
     assert "conftest" not in " ".join(p.name for p in example.rglob("*.py"))
+
+
+def test_the_copy_paste_example_of_testing_md_runs_in_a_fresh_directory(tmp_path):
+    text = (ROOT / "docs" / "testing.md").read_text()
+    section = text[text.index("## The pytest plugin, for any project"):]
+    block = section.split("```python\n", 1)[1].split("```", 1)[0]
+    project = _write(tmp_path, {"test_my_op.py": block})
+    run = _pytest(project, "-v")
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "test_my_op.py::test_scale_rows[cpu-graphsim] PASSED" in run.stdout
+    assert run.stdout.count("test_only_where_it_matters[") == 2
