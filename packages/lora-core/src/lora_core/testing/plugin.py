@@ -24,7 +24,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import pytest
+try:
+    import pytest
+except ImportError:  # only pytest loads this module as a plugin; other tools that load every
+    pytest = None    # entry point (lora-kit's install test) must still be able to import it
 
 from .registry import device_names, device_type, device_types, probe_device
 
@@ -132,7 +135,6 @@ def pytest_report_collectionfinish(config: pytest.Config, start_path: Path, item
     return lines
 
 
-@pytest.fixture
 def device(request: pytest.FixtureRequest):
     """The :class:`lora_core.testing.TestDevice` of this device parameter; skipped with the
     probe's reason where the device is absent (a failure under ``--lora-require-device``)."""
@@ -146,3 +148,7 @@ def device(request: pytest.FixtureRequest):
             pytest.fail(f"{OPTIONS['require']} {name}: {message}")
         pytest.skip(message)
     return TestDevice(device_type(name))
+
+
+if pytest is not None:
+    device = pytest.fixture(device)
