@@ -1,8 +1,10 @@
 """``--device-report`` and ``python -m lora_core.testing.matrix``, end to end.
 
-Tiny test files run in a pytest subprocess with the repository's own root conftest.py
-(the shared ``device`` fixture and its options), once per device selection, as a CPU
-runner and a hardware host would; their reports are then merged.
+Tiny test files run in a pytest subprocess in a directory without any conftest.py (the
+``device`` fixture and its options come from lora-core's installed ``lora_devices``
+plugin), once per device selection, as a CPU runner and a hardware host would; their
+reports are then merged. The repository's own unprefixed spellings of the options
+(root conftest.py) are checked last.
 """
 
 from __future__ import annotations
@@ -60,18 +62,17 @@ def _pytest(project: Path, *args: str) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="session")
 def project(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A directory with the root conftest.py and the tiny test files, shared by xdist workers."""
+    """A directory with the tiny test files and no conftest.py, shared by xdist workers."""
     base = tmp_path_factory.getbasetemp()
     if os.environ.get("PYTEST_XDIST_WORKER"):
         base = base.parent  # this run's directory, above the per-worker ones
     root = base / "device-report-project"
     with FileLock(f"{root}.lock"):
-        if not (root / "conftest.py").is_file():
+        if not (root / "test_tiny.py").is_file():
             (root / "broken").mkdir(parents=True, exist_ok=True)
             (root / "pytest.ini").write_text("[pytest]\naddopts = -p no:cacheprovider\n")
-            (root / "test_tiny.py").write_text(TINY)
             (root / "broken" / "test_broken.py").write_text(BROKEN)
-            shutil.copy(ROOT_CONFTEST, root / "conftest.py")
+            (root / "test_tiny.py").write_text(TINY)
     return root
 
 
@@ -82,11 +83,13 @@ def two_runs(project: Path) -> tuple[Path, Path]:
     with FileLock(f"{cpu}.lock"):
         if not graphsim.is_file():
             absent = _absent_device()
-            extra = ["--device", absent] if absent else []
+            extra = ["--lora-device", absent] if absent else []
             workers = ["-n", "1"] if find_spec("xdist") else []  # the report must survive xdist (controller + a worker)
-            first = _pytest(project, "test_tiny.py", "--device", "cpu", *extra, "--device-report", str(cpu), *workers)
+            first = _pytest(project, "test_tiny.py", "--lora-device", "cpu", *extra, "--lora-device-report", str(cpu),
+                            *workers)
             assert first.returncode == 0, first.stdout + first.stderr
-            second = _pytest(project, "test_tiny.py", "--device", "cpu-graphsim", "--device-report", str(graphsim))
+            second = _pytest(project, "test_tiny.py", "--lora-device", "cpu-graphsim", "--lora-device-report",
+                             str(graphsim))
             assert second.returncode == 0, second.stdout + second.stderr
             assert f"lora-kit device report: {graphsim}" in second.stdout
     return cpu, graphsim
@@ -151,10 +154,10 @@ def test_require_fails_when_a_device_never_passed_anywhere(two_runs, capsys):
 
 def test_failures_anywhere_fail_the_merge(project, two_runs, capsys, tmp_path):
     report = tmp_path / "broken.json"
-    args = ["broken/test_broken.py", "--device", "cpu", "--device-report", str(report)]
+    args = ["broken/test_broken.py", "--lora-device", "cpu", "--lora-device-report", str(report)]
     absent = _absent_device()
     if absent:
-        args += ["--require-device", absent]
+        args += ["--lora-require-device", absent]
     run = _pytest(project, *args)
     assert run.returncode == 1, run.stdout + run.stderr
     tests = {(t["test"], t["device"]): t for t in json.loads(report.read_text())["tests"]}
@@ -162,7 +165,7 @@ def test_failures_anywhere_fail_the_merge(project, two_runs, capsys, tmp_path):
     assert failed["outcome"] == "failed" and "no such device" in failed["reason"]
     if absent:
         required = tests[("broken/test_broken.py::test_broken", absent)]
-        assert required["outcome"] == "error" and required["reason"].startswith(f"Failed: --require-device {absent}")
+        assert required["outcome"] == "error" and required["reason"].startswith(f"Failed: --lora-require-device {absent}")
     assert main([str(two_runs[0]), str(report)]) == 1
     captured = capsys.readouterr()
     assert "## Failures" in captured.out and "`broken/test_broken.py::test_broken` on `cpu`" in captured.out
@@ -227,12 +230,30 @@ def test_strip_device_id(nodeid, device_name, key):
 
 
 def test_device_tests_only_leaves_out_the_tests_without_a_device(project):
-    """``--device-tests-only`` (a hardware host's run) keeps each device test's selected parameters
+    """``--lora-device-tests-only`` (a hardware host's run) keeps each device test's selected parameters
     and deselects the device-less tests, which the CPU runners run."""
-    run = _pytest(project, "test_tiny.py", "--device", "cpu", "--device-tests-only", "--collect-only", "-q")
+    run = _pytest(project, "test_tiny.py", "--lora-device", "cpu", "--lora-device-tests-only", "--collect-only", "-q")
     assert run.returncode == 0, run.stdout + run.stderr
     collected = [line for line in run.stdout.splitlines() if "::" in line]
     assert collected == ["test_tiny.py::test_on_every_device[cpu]", "test_tiny.py::test_with_a_second_parameter[cpu-1]",
                          "test_tiny.py::test_with_a_second_parameter[cpu-2]"]
     # the other devices' 3 parameters each, and the 2 tests without a device
     assert f"{(len(DEVICE_NAMES) - 1) * 3 + 2} deselected" in run.stdout
+
+
+def test_the_repository_spells_the_options_without_the_prefix(tmp_path):
+    """The root conftest.py's aliases (--device, --require-device, --device-tests-only,
+    --device-report, as ci/gpu.sh and the docs spell them) set the plugin's options."""
+    (tmp_path / "test_tiny.py").write_text(TINY)
+    shutil.copy(ROOT_CONFTEST, tmp_path / "conftest.py")
+    report = tmp_path / "r.json"
+    run = _pytest(tmp_path, "test_tiny.py", "-p", "no:cacheprovider", "--device", "cpu", "--device-tests-only",
+                  "--require-device", "cpu", "--device-report", str(report))
+    assert run.returncode == 0, run.stdout + run.stderr
+    data = json.loads(report.read_text())
+    assert data["selected_devices"] == ["cpu"] and data["required_devices"] == ["cpu"]
+    assert sorted(t["nodeid"] for t in data["tests"]) == [
+        "test_tiny.py::test_on_every_device[cpu]", "test_tiny.py::test_with_a_second_parameter[cpu-1]",
+        "test_tiny.py::test_with_a_second_parameter[cpu-2]"]
+    bad = _pytest(tmp_path, "test_tiny.py", "-p", "no:cacheprovider", "--device", "cdua")
+    assert bad.returncode == 4 and "invalid choice: 'cdua'" in bad.stderr

@@ -17,19 +17,10 @@ from .cases import (
     random_ranks,
     random_requests,
 )
-from .devices import (
-    COMPILE_BACKEND,
-    DEVICE_NAMES,
-    DEVICE_TYPES,
-    CompiledReplay,
-    DeviceProbe,
-    DeviceType,
-    TestDevice,
-    clone_outputs,
-    compile_capture,
-    make_device,
-    probe_device,
-)
+from .compiled import COMPILE_BACKEND, CompiledReplay, compile_capture
+from .device_type import DeviceProbe, DeviceType
+from .harness import TestDevice, clone_outputs, make_device
+from .registry import device_type, device_types, probe_device
 from .graphsim import CaptureError, GraphSimulator
 from .launches import LaunchCount, count_launches
 from .rules import Violation
@@ -52,6 +43,8 @@ __all__ = [
     "Violation",
     "assert_close_to_reference",
     "default_scalings",
+    "device_type",
+    "device_types",
     "clone_outputs",
     "compile_capture",
     "count_launches",
@@ -66,3 +59,14 @@ __all__ = [
     "random_ranks",
     "random_requests",
 ]
+
+
+def __getattr__(name: str):
+    """``DEVICE_TYPES`` (every registered device kind, in parameter order) and ``DEVICE_NAMES``
+    (their names): read from the ``lora_core.devices`` entry points on first use, so that
+    importing this package loads no other package's device kinds."""
+    if name in ("DEVICE_TYPES", "DEVICE_NAMES"):
+        from . import devices
+
+        return getattr(devices, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -160,13 +160,16 @@ def make_batch_info(
 
 
 class BatchPair:
-    """Two batches of the same token count on the same adapters: A (captured) and B (replayed).
+    """Two batches of the same token count on the same adapters, A and B.
 
     :meth:`run` gives ``fn(batch_info, *inputs)`` batch A, then switches to batch B
     the way the device requires (a graph-mode batch info refilled in place on
     graph devices, a fresh eager one elsewhere) and runs again, through
-    ``TestDevice.run_two_batches``. :meth:`reference_infos` are eager CPU batch
-    infos of A and B for the reference math.
+    ``TestDevice.run_two_batches``. On graph devices it does so in both orders --
+    capture A and replay B, then capture B and replay A -- so a replay that goes
+    wrong only when the replayed batch has more (or fewer) segments or adapters than
+    the captured one is caught whichever of A and B is the richer.
+    :meth:`reference_infos` are eager CPU batch infos of A and B for the reference math.
     """
 
     def __init__(
@@ -193,17 +196,29 @@ class BatchPair:
     def reference_infos(self) -> tuple[BatchInfo, BatchInfo]:
         return self.build(self.batch_a, "cpu"), self.build(self.batch_b, "cpu")
 
-    def run(self, device, fn, *inputs):
-        """``(out_a, out_b)`` of ``fn(batch_info, *inputs)`` on ``device`` (a ``TestDevice``)."""
-        holder = {"info": self.build(self.batch_a, device.torch_device, use_graph=device.is_graph)}
+    def _run_from(self, device, fn, inputs, first, second) -> tuple:
+        """``fn`` on ``first``, then (refilled, or rebuilt on eager devices) on ``second``."""
+        holder = {"info": self.build(first, device.torch_device, use_graph=device.is_graph)}
 
         def refill() -> None:
             if device.is_graph:
-                holder["info"].refill(*self.batch_b)
+                holder["info"].refill(*second)
             else:
-                holder["info"] = self.build(self.batch_b, device.torch_device)
+                holder["info"] = self.build(second, device.torch_device)
 
         return device.run_two_batches(lambda *xs: fn(holder["info"], *xs), inputs, refill)
+
+    def run(self, device, fn, *inputs):
+        """``(out_a, out_b)`` of ``fn(batch_info, *inputs)`` on ``device`` (a ``TestDevice``).
+
+        On a graph device ``out_b`` is B replayed on the capture made with A, and ``out_a``
+        is A replayed on a second capture made with B; ``fn`` must therefore give the same
+        result when called again on the same inputs (no accumulation into them).
+        """
+        out_a, out_b = self._run_from(device, fn, inputs, self.batch_a, self.batch_b)
+        if device.is_graph:
+            _, out_a = self._run_from(device, fn, inputs, self.batch_b, self.batch_a)
+        return out_a, out_b
 
 
 def random_batch_pair(rng: random.Random, num_tokens: int, lora_ranks: Sequence[int]) -> BatchPair:

@@ -12,12 +12,18 @@ capture (``.item()``, ``.tolist()``, ``len(...)`` of host data) are constants of
 the recorded ops, and tensors rebound after capture are not seen. In strict mode
 the first capture-unsafe call raises :class:`CaptureError`; in lenient mode it is
 recorded in ``violations`` and the replay shows the resulting staleness.
+
+Host-resident tensors (``host_resident=``) model metadata that real code keeps in
+CPU memory beside its device tensors (sglang's ``output_offset_cpu``): reading them
+during a capture is legal on real hardware, so it is allowed here, and the value read
+is baked in; a :meth:`GraphSimulator.replay` after such a tensor changed is stale and
+reported (raised in strict mode, recorded in ``violations`` otherwise).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -68,14 +74,36 @@ class GraphSimulator:
     Args:
         strict: raise :class:`CaptureError` at the first capture-unsafe call
             (default); otherwise record it in :attr:`violations` and carry on.
+        host_resident: tensors that live in host memory on real hardware; reading them
+            (or views of them) during capture is allowed and baked in, and a replay
+            after a read one changed is reported as stale.
     """
 
-    def __init__(self, strict: bool = True) -> None:
+    def __init__(self, strict: bool = True, host_resident: Sequence[torch.Tensor] = ()) -> None:
+        for i, t in enumerate(host_resident):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"host_resident[{i}] must be a torch.Tensor, got {type(t).__name__}")
         self.strict = strict
         self.violations: list[Violation] = []
         self._tape: list[_Step] = []
         self._captured = False
         self._outputs: Any = None
+        self._resident = {_storage_ptr(t) for t in host_resident}
+        self._resident_reads: list[tuple[torch.Tensor, torch.Tensor, Violation]] = []
+
+    def _on_host_read(self, tensor: torch.Tensor, violation: Violation) -> bool:
+        """Allow (and remember, with the value read) a read of a host-resident tensor."""
+        if not self._resident or _storage_ptr(tensor) not in self._resident:
+            return False
+        self._resident_reads.append((tensor, tensor.detach().clone(), violation))
+        return True
+
+    def _check_stale(self) -> None:
+        for tensor, value, read in self._resident_reads:
+            if not torch.equal(tensor, value):
+                self._on_violation(Violation(
+                    "stale replay: a host-resident tensor read during capture has changed since; "
+                    "a real graph replays the value read then", read.op, read.where))
 
     @property
     def num_ops(self) -> int:
@@ -106,13 +134,19 @@ class GraphSimulator:
                           "torch.cuda.synchronize", "capture")
             )
 
-        monitor = HostAccessMonitor(self._on_violation, self._on_op)
+        monitor = HostAccessMonitor(self._on_violation, self._on_op, self._on_host_read)
+        # For the capture only, torch.cuda answers as inside a real capture: synchronize() is a
+        # violation, and is_current_stream_capturing() is True, so code that takes a capture-safe
+        # path when asked (transformers' is_tracing) takes it here too.
+        real_capturing = torch.cuda.is_current_stream_capturing
         torch.cuda.synchronize = synchronize
+        torch.cuda.is_current_stream_capturing = lambda: True
         try:
             with torch.no_grad(), simulated_capture(), monitor:
                 self._outputs = fn(*static_inputs)
         finally:
             torch.cuda.synchronize = real_sync
+            torch.cuda.is_current_stream_capturing = real_capturing
         self._captured = True
         return self._outputs
 
@@ -122,6 +156,7 @@ class GraphSimulator:
             raise CaptureError("replay() before capture()")
         if self.strict and self.violations:
             raise CaptureError(f"cannot replay a capture with violations: {self.violations[0]}")
+        self._check_stale()
         with torch.no_grad():
             for step in self._tape:
                 fresh = step.func(*step.args, **step.kwargs)

@@ -1,10 +1,11 @@
-"""``--device-report PATH``: one JSON file per pytest run, for the device matrix across hosts.
+"""``--lora-device-report PATH``: one JSON file per pytest run, for the device matrix across hosts.
 
-A pytest plugin (the repository's root conftest.py loads it with
-``pytest_plugins``). The report holds the host, the Python / torch / CUDA / driver
-versions where known, every device probe (found, or absent and why), the device
-parameters the run selected, and each test x device outcome (passed, failed, error,
-skipped or xfailed, with the reason). ``python -m lora_core.testing.matrix`` merges
+Written by :class:`DeviceReport`, which the ``lora_devices`` pytest plugin
+(:mod:`.plugin`) registers when the option is given. The report holds the host, the
+Python / torch / CUDA / driver versions where known, the installed lora-core-based
+packages, every device probe (found, or absent and why), the device parameters the run
+selected, and each test x device outcome (passed, failed, error, skipped or xfailed,
+with the reason). ``lora-device-matrix`` (``python -m lora_core.testing.matrix``) merges
 reports from several hosts into one table; see docs/device-matrix.md.
 
 Works under pytest-xdist: workers tag each test with its device parameter
@@ -17,6 +18,7 @@ import datetime
 import json
 import os
 import platform
+import re
 import shutil
 import socket
 import subprocess
@@ -27,30 +29,14 @@ from typing import Any
 
 import pytest
 
-from .devices import DEVICE_NAMES, probe_device
 from .matrix import SCHEMA
+from .registry import device_types, probe_device
 
-__all__ = ["SCHEMA", "DeviceReport", "environment", "device_probes", "strip_device_id", "pytest_addoption",
-           "pytest_configure"]
+__all__ = ["SCHEMA", "DeviceReport", "environment", "device_probes", "lora_core_distributions", "strip_device_id"]
 
 _PROPERTY = "lora_kit_device"
 _PHASES = ("setup", "call", "teardown")
-
-
-def pytest_addoption(parser: pytest.Parser) -> None:
-    group = parser.getgroup("lora-kit devices")
-    group.addoption(
-        "--device-report", metavar="PATH", default=None,
-        help="write this run's device probes and test x device outcomes as JSON to PATH "
-             "(merge reports from several hosts with: python -m lora_core.testing.matrix)",
-    )
-
-
-def pytest_configure(config: pytest.Config) -> None:
-    path = config.getoption("--device-report", default=None)
-    if path:
-        config.pluginmanager.register(DeviceReport(config, Path(config.invocation_params.dir, path)),
-                                      "lora-kit-device-report")
+_CORE = "lora-core"
 
 
 def strip_device_id(nodeid: str, device: str | None) -> str:
@@ -109,14 +95,37 @@ def environment() -> dict[str, Any]:
         "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
     }
     env.update(_nvidia_smi())
-    env["lora_kit"] = {name: _version(name) for name in ("lora-core", "lora-cuda", "lora-ascend", "lora-layers")}
+    env["lora_kit"] = {name: _version(name) for name in lora_core_distributions()}
     return env
+
+
+def _normalized(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _requires_core(dist: metadata.Distribution) -> bool:
+    for requirement in dist.requires or ():
+        name = re.match(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)", requirement)
+        if name and _normalized(name.group(1)) == _CORE and not re.search(r"\bextra\s*==", requirement):
+            return True
+    return False
+
+
+def lora_core_distributions() -> list[str]:
+    """lora-core and every installed distribution that requires it unconditionally (lora-kit's
+    packages, and any third-party package built on lora-core), sorted, lora-core first.
+
+    Derived from the installed metadata, so the list of lora-kit packages is written nowhere here.
+    """
+    found = {_normalized(d.metadata["Name"] or "") for d in metadata.distributions() if _requires_core(d)}
+    found.discard(_CORE)
+    return [_CORE, *sorted(found)]
 
 
 def device_probes() -> list[dict[str, Any]]:
     """Every device parameter's probe: name, available, reason."""
     return [{"name": p.name, "available": bool(p.available), "reason": p.reason}
-            for p in (probe_device(name) for name in DEVICE_NAMES)]
+            for p in (probe_device(k.name) for k in device_types())]
 
 
 def _reason(report: pytest.TestReport) -> str | None:
@@ -172,8 +181,10 @@ class DeviceReport:
     def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
         if hasattr(self.config, "workerinput"):
             return  # an xdist worker: the controller writes the report
-        selected = list(self.config.getoption("--device", default=[]) or []) + [
-            d for d in self.config.getoption("--require-device", default=[]) or []]
+        from .plugin import selected_devices
+
+        selected = selected_devices(self.config)
+        names = [k.name for k in device_types()]
         tests = sorted(self.tests.values(), key=lambda t: t["nodeid"])
         for entry in tests:
             if entry["outcome"] is None:  # e.g. interrupted mid-test
@@ -188,8 +199,8 @@ class DeviceReport:
             "finished": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "args": list(self.config.invocation_params.args),
             "exit_status": int(exitstatus),
-            "selected_devices": [d for d in DEVICE_NAMES if d in selected] if selected else list(DEVICE_NAMES),
-            "required_devices": list(self.config.getoption("--require-device", default=[]) or []),
+            "selected_devices": [d for d in names if d in selected] if selected else names,
+            "required_devices": list(self.config.getoption("lora_require_device") or []),
             "devices": device_probes(),
             "counts": counts,
             "tests": tests,
@@ -205,4 +216,5 @@ class DeviceReport:
 
 
 if __name__ == "__main__":  # pragma: no cover
-    sys.exit("lora_core.testing.report is a pytest plugin; merge reports with python -m lora_core.testing.matrix")
+    sys.exit("lora_core.testing.report is written by pytest --lora-device-report; merge reports with "
+             "lora-device-matrix (python -m lora_core.testing.matrix)")

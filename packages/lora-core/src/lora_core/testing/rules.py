@@ -76,11 +76,26 @@ def function_rule(func: Callable, args: tuple, kwargs: dict) -> str | None:
     name = getattr(func, "__name__", "")
     if name in _HOST_READ_METHODS and args and isinstance(args[0], torch.Tensor):
         return _HOST_READ_METHODS[name]
-    if name == "to" and args and isinstance(args[0], torch.Tensor):
-        target = kwargs.get("device", args[1] if len(args) > 1 else None)
-        if isinstance(target, (str, torch.device)) and torch.device(target).type == "cpu":
-            return "host read: Tensor.to('cpu') copies device data to the host"
+    if name == "to" and args and isinstance(args[0], torch.Tensor) and _copies_to_host(args[0], args, kwargs):
+        return "host read: Tensor.to('cpu') copies device data to the host"
     return None
+
+
+def _copies_to_host(tensor: torch.Tensor, args: tuple, kwargs: dict) -> bool:
+    """Whether ``tensor.to(...)`` is a copy to the host.
+
+    The string ``"cpu"`` always is (the code means the host, whatever the simulator runs
+    on); a ``torch.device`` is only when it differs from the tensor's own device:
+    ``t.to(x.device)`` onto the device ``t`` already lives on copies nothing. On the CPU
+    simulator that makes ``t.to(torch.device("cpu"))`` look like a no-op (a false negative:
+    docs/graph-simulator.md).
+    """
+    target = kwargs.get("device", args[1] if len(args) > 1 else None)
+    if isinstance(target, str):
+        return torch.device(target).type == "cpu"
+    if isinstance(target, torch.device):
+        return target.type == "cpu" and target != tensor.device
+    return False
 
 
 def dispatch_rule(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> str | None:
@@ -130,7 +145,7 @@ class _FunctionLayer(TorchFunctionMode):
         rule = function_rule(func, args, kwargs)
         if rule is None:
             return func(*args, **kwargs)
-        self.monitor._report(Violation(rule, f"Tensor.{getattr(func, '__name__', func)}", _where()))
+        self.monitor._report(Violation(rule, f"Tensor.{getattr(func, '__name__', func)}", _where()), args)
         self.monitor._nested_host_read += 1
         try:
             return func(*args, **kwargs)
@@ -147,7 +162,7 @@ class _DispatchLayer(TorchDispatchMode):
         kwargs = kwargs or {}
         rule = dispatch_rule(func, args, kwargs)
         if rule is not None and not self.monitor._nested_host_read:
-            self.monitor._report(Violation(rule, str(func), _where()))
+            self.monitor._report(Violation(rule, str(func), _where()), args)
         out = func(*args, **kwargs)
         self.monitor.on_op(func, args, kwargs, out)
         return out
@@ -155,19 +170,29 @@ class _DispatchLayer(TorchDispatchMode):
 
 class HostAccessMonitor:
     """Context manager that reports every capture-unsafe call to ``on_violation``
-    and every dispatched aten op to ``on_op``. Subclass or pass callbacks."""
+    and every dispatched aten op to ``on_op``. Subclass or pass callbacks.
+
+    ``on_host_read(tensor, violation) -> bool``, when given, is asked first about a call
+    that reads its first tensor argument on the host: returning ``True`` allows the read
+    (the tensor lives in host memory on real hardware) and nothing is reported.
+    """
 
     def __init__(
         self,
         on_violation: Callable[[Violation], None],
         on_op: Callable[[torch._ops.OpOverload, tuple, dict, Any], None] | None = None,
+        on_host_read: Callable[[torch.Tensor, Violation], bool] | None = None,
     ) -> None:
         self._on_violation = on_violation
         self.on_op = on_op or (lambda func, args, kwargs, out: None)
+        self._on_host_read = on_host_read
         self._nested_host_read = 0
         self._modes: list = []
 
-    def _report(self, violation: Violation) -> None:
+    def _report(self, violation: Violation, args: tuple = ()) -> None:
+        tensor = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        if self._on_host_read is not None and tensor is not None and self._on_host_read(tensor, violation):
+            return
         self._on_violation(violation)
 
     def __enter__(self) -> HostAccessMonitor:

@@ -195,7 +195,7 @@ def run_row(backend: str, device_name: str, config: TinyConfig, adapter_paths: M
             except CaptureError as err:
                 return SimRow(backend, device_name, "fail", reason=str(err), graph_safety=f"unsafe: {err}")
             step = _replayer(static_out, replay)
-            verdict = ("safe (strict simulated capture)" if device_name == "cpu-graphsim"
+            verdict = ("safe (strict simulated capture)" if device.simulated
                        else f"compiled (fullgraph, {device.device_type.compile_backend})"
                        if isinstance(replay, CompiledReplay) else "captured")
         decode = _time_decode({"lora": step, "base": lambda: base_model(step_ids)}, step_ids, first_ids,

@@ -1,0 +1,238 @@
+"""The capture check: every graph-capture violation of one call, grouped and counted.
+
+Where the ``cpu-graphsim`` device stops at the first capture-unsafe call, the capture
+check records one whole capture with a lenient :class:`~.graphsim.GraphSimulator` and
+reports everything it saw: each rule broken, the op, and the file:line of the code that
+made the call (the innermost frame outside torch and this package), with how often.
+
+From Python::
+
+    report = check_capture(fn, *inputs)
+    print(report.format())
+
+From the command line (``lora-capture-check`` or ``python -m lora_core.testing.capture_check``)::
+
+    lora-capture-check --call mypkg.mymodule:step          # a function taking no arguments
+    lora-capture-check --model-config path/to/config.json  # a transformers causal LM forward,
+                                                           # random weights from the config
+
+Exit status: 0 when the capture is clean, 1 when it found violations (or the call
+raised under capture), 2 on bad arguments. What each rule means on a real CUDA graph,
+and the check's false positives and negatives: docs/graph-simulator.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+from .graphsim import GraphSimulator
+from .rules import Violation
+
+__all__ = ["CaptureReport", "Finding", "check_capture", "transformers_forward", "main"]
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One place that broke one rule: ``rule``, ``op``, ``where`` (file:line in function), ``count`` times."""
+
+    rule: str
+    op: str
+    where: str
+    count: int
+
+
+def _short(where: str) -> str:
+    """``where`` with its path shortened: below ``site-packages/``, or relative to the working directory."""
+    path, sep, rest = where.partition(":")
+    if "site-packages" + os.sep in path:
+        path = path.split("site-packages" + os.sep, 1)[1]
+    else:
+        try:
+            rel = os.path.relpath(path)
+            path = rel if not rel.startswith("..") else path
+        except ValueError:
+            pass
+    return f"{path}{sep}{rest}"
+
+
+@dataclass(frozen=True)
+class CaptureReport:
+    """What one capture check found.
+
+    ``target``: what was checked; ``findings``: every (rule, op, where) with its count, in
+    the order first seen; ``ops``: aten ops recorded (what a replay would launch, views
+    included); ``aborted``: the exception the call raised under capture, if it did (the
+    findings then cover the part that ran).
+    """
+
+    target: str
+    findings: tuple[Finding, ...]
+    ops: int
+    aborted: str | None = None
+
+    @property
+    def violations(self) -> int:
+        """Capture-unsafe calls in all (a call in a loop counts each time)."""
+        return sum(f.count for f in self.findings)
+
+    @property
+    def clean(self) -> bool:
+        return not self.findings and self.aborted is None
+
+    def by_rule(self) -> dict[str, list[Finding]]:
+        """The findings grouped by rule, rules in the order first seen."""
+        groups: dict[str, list[Finding]] = {}
+        for finding in self.findings:
+            groups.setdefault(finding.rule, []).append(finding)
+        return groups
+
+    def format(self) -> str:
+        """The report as text: a summary line, then each rule with its places and counts."""
+        groups = self.by_rule()
+        lines = [f"capture check: {self.target}",
+                 f"recorded {self.ops} aten ops; {self.violations} capture-unsafe call(s) at "
+                 f"{len(self.findings)} place(s), {len(groups)} rule(s)"]
+        if self.aborted:
+            lines.append(f"the call raised under capture (findings cover what ran before): {self.aborted}")
+        for rule, findings in groups.items():
+            lines += ["", f"{rule}  [{sum(f.count for f in findings)}]"]
+            lines += [f"  {f.count:>3}x  {f.op:<34} {_short(f.where)}" for f in findings]
+        if self.clean:
+            lines += ["", "no capture-unsafe calls: the simulator saw nothing a graph capture would bake in"]
+        return "\n".join(lines) + "\n"
+
+
+def _findings(violations: Sequence[Violation]) -> tuple[Finding, ...]:
+    counts = Counter((v.rule, v.op, v.where) for v in violations)
+    return tuple(Finding(rule, op, where, n) for (rule, op, where), n in counts.items())
+
+
+def check_capture(fn: Callable[..., Any], *inputs: Any, host_resident: Sequence[torch.Tensor] = (),
+                  warm_up: bool = True, target: str | None = None) -> CaptureReport:
+    """Capture ``fn(*inputs)`` once on the lenient graph simulator and report every violation.
+
+    ``warm_up``: run ``fn`` eagerly first (as the graph harnesses do), so lazy set-up is not
+    counted; ``host_resident``: tensors that live in host memory on real hardware (their
+    reads are allowed); ``target``: the name in the report (``fn``'s qualified name by default).
+    An exception raised under capture is reported as ``aborted``, not raised.
+    """
+    if not callable(fn):
+        raise TypeError(f"fn must be callable, got {type(fn).__name__}")
+    name = target or f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
+    if warm_up:
+        with torch.no_grad():
+            fn(*inputs)
+    sim = GraphSimulator(strict=False, host_resident=host_resident)
+    aborted = None
+    try:
+        sim.capture(fn, *inputs)
+    except Exception as exc:  # the report says where the capture stopped
+        aborted = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    return CaptureReport(name, _findings(sim.violations), sim.num_ops, aborted)
+
+
+def transformers_forward(config_path: str | Path, *, tokens: int = 8, batch: int = 2,
+                         attention_mask: bool = True, seed: int = 0) -> tuple[Callable[..., Any], tuple, str]:
+    """A transformers causal LM built from ``config_path`` (a ``config.json`` or its directory) with
+    random weights, nothing downloaded: ``(forward, inputs, label)`` for :func:`check_capture`.
+
+    ``forward(input_ids[, attention_mask])`` returns the logits (``use_cache=False``).
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = Path(config_path)
+    path = path / "config.json" if path.is_dir() else path
+    if not path.is_file():
+        raise ValueError(f"--model-config {config_path}: expected a config.json file or a directory holding one")
+    data = json.loads(path.read_text())
+    if "model_type" not in data:
+        raise ValueError(f"--model-config {config_path}: config.json has no 'model_type'")
+    if tokens < 1 or batch < 1:
+        raise ValueError(f"tokens and batch must be at least 1, got tokens={tokens}, batch={batch}")
+    config = AutoConfig.for_model(**data)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, config.vocab_size, (batch, tokens), generator=gen)
+    label = f"{type(model).__name__} forward from {config_path} (batch {batch}, {tokens} tokens"
+    if attention_mask:
+        mask = torch.ones(batch, tokens, dtype=torch.long)
+
+        def forward(input_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+            return model(input_ids=input_ids, attention_mask=mask, use_cache=False).logits
+
+        return forward, (ids, mask), label + ", attention_mask of ones)"
+
+    def forward_without_mask(input_ids: torch.Tensor) -> torch.Tensor:
+        return model(input_ids=input_ids, use_cache=False).logits
+
+    return forward_without_mask, (ids,), label + ", no attention_mask)"
+
+
+def _load_callable(spec: str) -> Callable[[], Any]:
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"--call {spec}: expected MODULE:FUNCTION, e.g. mypkg.ops:step")
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # like python -m: the working directory's modules are importable
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"--call {spec}: cannot import {module_name}: {exc}") from None
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ValueError(f"--call {spec}: {module_name} has no attribute {attr}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise ValueError(f"--call {spec}: {attr} is {type(obj).__name__}, expected a function taking no arguments")
+    return obj
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The command line: check one callable or one transformers forward, print the report."""
+    parser = argparse.ArgumentParser(
+        prog="lora-capture-check",
+        description="Capture one call on the CPU graph simulator and report every graph-capture violation, "
+                    "grouped by rule and counted (docs/graph-simulator.md).")
+    what = parser.add_mutually_exclusive_group(required=True)
+    what.add_argument("--call", metavar="MODULE:FUNCTION", help="a function taking no arguments, run under capture")
+    what.add_argument("--model-config", metavar="CONFIG.json",
+                      help="a transformers causal LM built from this config (random weights, no download)")
+    parser.add_argument("--tokens", type=_positive, default=8, help="sequence length of the model forward (default 8)")
+    parser.add_argument("--batch", type=_positive, default=2, help="batch size of the model forward (default 2)")
+    parser.add_argument("--no-attention-mask", action="store_true", help="call the model without attention_mask")
+    parser.add_argument("--no-warm-up", action="store_true", help="capture the first call (default: warm up first)")
+    args = parser.parse_args(argv)
+    try:
+        if args.call:
+            fn, inputs, label = _load_callable(args.call), (), args.call
+        else:
+            fn, inputs, label = transformers_forward(args.model_config, tokens=args.tokens, batch=args.batch,
+                                                     attention_mask=not args.no_attention_mask)
+    except (ValueError, ImportError) as exc:
+        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
+        return 2
+    report = check_capture(fn, *inputs, warm_up=not args.no_warm_up, target=label)
+    sys.stdout.write(report.format())
+    return 0 if report.clean else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
