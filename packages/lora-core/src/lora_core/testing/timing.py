@@ -18,6 +18,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
+from lora_core.platforms import platform_for
+
 __all__ = ["Interleaved", "Spread", "machine_info", "sync_device", "format_spread", "benchmark_parser",
            "apply_threads"]
 
@@ -83,11 +85,8 @@ class Interleaved:
 
 def sync_device(device_type: str) -> Callable[[], None]:
     """A function that waits for the queued work of a ``device_type`` (``"cuda"``,
-    ``"npu"``; a no-op on the host)."""
-    if device_type == "cuda":
-        return torch.cuda.synchronize
-    module = getattr(torch, device_type, None) if device_type != "cpu" else None
-    return getattr(module, "synchronize", None) or (lambda: None)
+    ``"npu"``; a no-op on the host): its platform's ``synchronize``."""
+    return platform_for(device_type).synchronize
 
 
 def _cpu_model() -> str:
