@@ -59,7 +59,7 @@ def run_benchmarks(smoke: bool, out: TextIO | None = None, err: TextIO | None = 
     benchmarks = discover_benchmarks()
     if not benchmarks:
         print(f"lora-sim bench: no benchmarks are installed (entry-point group {BENCHMARK_GROUP!r} is empty); "
-              "install a backend package that has some, e.g. lora-cuda", file=err)
+              "install a backend package that has some, e.g. lora-cuda: bash ci/install-wheels.sh lora-cuda", file=err)
         return 1
     argv = ["--smoke"] if smoke else []
     first_failure = 0
