@@ -21,7 +21,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("lora-core", "lora-cuda", "lora-ascend", "lora-layers")
+PACKAGES = tuple(line for line in (ROOT / "ci/packages.txt").read_text().splitlines()
+                 if line and not line.startswith("#"))
+GPU_DEVICES = ("cuda", "cuda-graph", "cuda-compile")
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -63,14 +65,14 @@ def test_gpu_dry_run_installs_the_four_packages_offline_without_deps(gpu_command
     assert all((ROOT / path / "pyproject.toml").is_file() for path in editable)
 
 
-def test_gpu_dry_run_pytest_requires_cuda_and_cuda_graph_and_writes_a_report(gpu_commands, tmp_path):
+def test_gpu_dry_run_pytest_requires_every_cuda_parameter_and_writes_a_report(gpu_commands, tmp_path):
     out, commands, _ = gpu_commands
     pytest_cmd = _strip_env(_command(commands, "pytest"))
     assert pytest_cmd[:3] == [sys.executable, "-m", "pytest"]
     args = pytest_cmd[3:]
     pairs = list(zip(args, args[1:]))
-    for pair in [("--device", "cuda"), ("--device", "cuda-graph"), ("--require-device", "cuda"),
-                 ("--require-device", "cuda-graph"), ("--device-report", str(out / "gpu-report.json"))]:
+    for pair in [*(("--device", d) for d in GPU_DEVICES), *(("--require-device", d) for d in GPU_DEVICES),
+                 ("--device-report", str(out / "gpu-report.json"))]:
         assert pair in pairs, f"{pair} missing from {args}"
     assert "--device-tests-only" in args  # the device-less tests are the CPU runners
     ignored = [a.split("=", 1)[1] for a in args if a.startswith("--ignore=")]
@@ -88,7 +90,7 @@ def test_gpu_dry_run_pytest_requires_cuda_and_cuda_graph_and_writes_a_report(gpu
                          capture_output=True, text=True, env=_env(), timeout=600)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     data = json.loads(report.read_text())
-    assert data["selected_devices"] == ["cuda", "cuda-graph"] and data["required_devices"] == ["cuda", "cuda-graph"]
+    assert data["selected_devices"] == list(GPU_DEVICES) and data["required_devices"] == list(GPU_DEVICES)
     assert "[cuda]" in run.stdout and "[cpu]" not in run.stdout, "only the cuda parameters are collected"
 
 
@@ -139,7 +141,8 @@ def test_gpu_script_rejects_extra_arguments():
 @pytest.fixture
 def stamp_tree(tmp_path: Path) -> Path:
     """A copy of what ci/install_stamp.py reads."""
-    for name in ("ci/install.sh", "ci/install_stamp.py", "ci/constraints.txt", "tests/requirements.txt"):
+    for name in ("ci/install.sh", "ci/install_stamp.py", "ci/packages.txt", "ci/constraints.txt",
+                 "tests/requirements.txt"):
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(ROOT / name, tmp_path / name)
     for package in PACKAGES:
@@ -188,3 +191,33 @@ def test_install_wheels_needs_built_wheels(tmp_path):
     assert run.returncode == 2
     assert run.stderr.strip() == (f"ci/install-wheels.sh: no {tmp_path}/constraints.txt; "
                                   f"build the wheels first: bash ci/wheels.sh {tmp_path}")
+
+
+def test_the_package_list_is_written_once():
+    """ci/packages.txt names every directory of packages/, in dependency order; the scripts read it."""
+    import tomllib
+
+    assert sorted(PACKAGES) == sorted(p.name for p in (ROOT / "packages").iterdir() if (p / "pyproject.toml").is_file())
+    for i, package in enumerate(PACKAGES):
+        deps = tomllib.loads((ROOT / "packages" / package / "pyproject.toml").read_text())["project"]["dependencies"]
+        ours = [d for d in deps if d in PACKAGES]
+        assert all(PACKAGES.index(d) < i for d in ours), f"{package} depends on a package listed after it: {ours}"
+    for script in sorted((ROOT / "ci").glob("*.sh")):
+        text = script.read_text()
+        assert " ".join(PACKAGES) not in text and '"lora-core", "lora-cuda"' not in text, \
+            f"{script.name} writes the package list again: source ci/packages.sh"
+
+
+def test_building_the_wheels_needs_the_setuptools_that_reads_the_spdx_license():
+    """The packages' license is an SPDX expression (setuptools >= 77 reads it; the old table form is
+    deprecated, and refused from 2027-02-18), and every place that builds them asks for that floor."""
+    import configparser
+    import tomllib
+
+    for package in PACKAGES:
+        data = tomllib.loads((ROOT / "packages" / package / "pyproject.toml").read_text())
+        assert isinstance(data["project"]["license"], str), f"{package}: license must be an SPDX string"
+        assert data["build-system"]["requires"] == ["setuptools>=77"], package
+    tox = configparser.ConfigParser(interpolation=None)
+    tox.read(ROOT / "tox.ini")
+    assert tox["testenv"]["deps"].split("#")[0].strip() == "setuptools>=77"
