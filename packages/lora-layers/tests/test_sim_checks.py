@@ -10,13 +10,19 @@ import time
 import pytest
 import torch
 
-from lora_core import save_peft_adapter
+from lora_core import available_backends, save_peft_adapter
 from lora_layers import sim
 from lora_layers.sim import checks, cli
 
 SMALL = '{"vocab_size": 64, "hidden_size": 32, "intermediate_size": 48, "num_attention_heads": 4}'
 LLAMA_7B = ('{"model_type": "llama", "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008, '
             '"num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32}')
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _backends_imported():
+    """The backends' entry points load once per process (imports, not checks): before the timing."""
+    available_backends()
 
 
 @pytest.fixture
@@ -63,7 +69,9 @@ def _bad(capsys, argv, message):
     ('{"intermediate_size": null}', "intermediate_size must be an integer from 1 to 262144, got null"),
     ("[1, 2]", "must be a JSON object"),
     ('{"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "head_dim": "16"}',
-     "head_dim = '16' is not hidden_size / num_attention_heads"),
+     '--model-config: head_dim must be an integer (hidden_size / num_attention_heads), got "16"'),
+    ('{"model_type": "llama", "hidden_size": "64", "num_attention_heads": 4, "head_dim": 16}',
+     'hidden_size must be an integer from 1 to 65536, got "64" (a string)'),
     ('{"model_type": "llava", "text_config": {"hidden_size": 64}}', "its language model's sizes are under 'text_config'"),
 ])
 def test_bad_model_config_values_are_one_line_exit_2(capsys, no_work, config, message):

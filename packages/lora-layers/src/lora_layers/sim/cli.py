@@ -141,10 +141,13 @@ def _from_transformers(values: dict) -> tuple[dict, str]:
     head_dim = values.get("head_dim")
     if head_dim is not None:
         heads, hidden = fields["num_attention_heads"], fields["hidden_size"]
-        ints = all(isinstance(v, int) and not isinstance(v, bool) for v in (head_dim, heads, hidden))
-        if not ints or head_dim * heads != hidden:
-            raise UsageError(f"--model-config: head_dim = {head_dim!r} is not hidden_size / num_attention_heads "
-                             f"({hidden!r} / {heads!r}); lora-sim's model derives it")
+        if not isinstance(head_dim, int) or isinstance(head_dim, bool):
+            raise UsageError(f"--model-config: head_dim must be an integer (hidden_size / num_attention_heads), "
+                             f"got {json.dumps(head_dim)}")
+        sizes = all(isinstance(v, int) and not isinstance(v, bool) for v in (heads, hidden))
+        if sizes and head_dim * heads != hidden:  # sizes of another type: the field checks name them
+            raise UsageError(f"--model-config: head_dim = {head_dim} is not hidden_size / num_attention_heads "
+                             f"({hidden} / {heads}); lora-sim's model derives it")
     ignored = sorted(set(values) - set(fields) - {"head_dim"})
     shown = ", ".join(ignored[:6]) + (", ..." if len(ignored) > 6 else "")
     architectures = values.get("architectures")
