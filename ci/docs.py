@@ -113,7 +113,7 @@ def sim(force: bool) -> int:
     intro = (f"\n\nThe rows that ran on this project's CPU runner, as `python ci/docs.py sim` regenerated them at "
              f"{stamp()} ({machine.removeprefix('machine: ')}; load average {load:.2f} before the run; the whole "
              f"`bash ci/sim.sh` took {seconds:.0f} s, its install check included; the `cuda*` and `npu*` rows it "
-             "also prints say why they were skipped):\n")
+             "also prints say why they were skipped):\n\n")
     README.write_text(text[:intro_start] + intro + "\n".join(table) + text[end:])
     print(f"ci/docs.py: rewrote the lora-sim table of README.md ({len(table) - 2} rows)")
     return 0

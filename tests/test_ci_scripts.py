@@ -277,3 +277,29 @@ def test_every_tox_env_writes_the_junit_report_that_ci_tox_sh_counts():
     tox.read(ROOT / "tox.ini")
     commands = [c for c in tox["testenv"]["commands"].splitlines() if "pytest" in c]
     assert len(commands) == 5 and all("--junitxml={env_tmp_dir}/junit.xml" in c for c in commands)
+
+
+def test_docs_script_rewrites_the_readme_table_from_a_sim_run(monkeypatch, tmp_path):
+    docs = _docs_script()
+    readme = tmp_path / "README.md"
+    original = (ROOT / "README.md").read_text()
+    readme.write_text(original)
+    printed = "\n".join([
+        "lora-sim: model {...}", "machine: Test CPU (2 cores), torch 2.13.0+cpu, 2 threads, Python 3.11.7",
+        "timings: median (min–max) over 5 rounds, the LoRA and the base model interleaved in each",
+        "| backend | device | result | max abs err |", "|---|---|---|---|",
+        "| ascend | cpu | pass | 1e-06 |", "| ascend | cuda | skipped: no CUDA | |", ""])
+    monkeypatch.setattr(docs, "README", readme)
+    monkeypatch.setattr(docs.os, "getloadavg", lambda: (0.25, 0.5, 0.5))
+    monkeypatch.setattr(docs, "stamp", lambda: "abc1234, 2026-12-05")
+    monkeypatch.setattr(docs, "_run", lambda command, cwd: subprocess.CompletedProcess(command, 0, printed, ""))
+    assert docs.main(["sim"]) == 0
+    text = readme.read_text()
+    assert ("regenerated them at abc1234, 2026-12-05 (Test CPU (2 cores), torch 2.13.0+cpu, 2 threads, "
+            "Python 3.11.7; load average 0.25 before the run;") in text
+    table = text[text.index("| backend | device | result |"):]
+    assert table.split("\n\n")[0] == "| backend | device | result | max abs err |\n|---|---|---|---|\n" \
+                                      "| ascend | cpu | pass | 1e-06 |"
+    before = original[: original.index("The rows that ran on this project's CPU runner")]
+    after = original[original.index("(The model is tiny"):]
+    assert text.startswith(before) and text.endswith(after)
