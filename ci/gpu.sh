@@ -2,11 +2,13 @@
 # The GPU host job, for a host that already has a CUDA build of torch (>= 2.4), pytest, peft
 # and transformers, and no network:
 #   bash ci/gpu.sh [--dry-run] [OUTDIR]      OUTDIR: default $OUT, else ./gpu-out
-# 1. checks that torch is a CUDA build >= 2.4 and that pytest imports;
-# 2. installs the four packages into that python ($PYTHON, default python3), editable, with
-#    pip install --no-deps --no-build-isolation --no-index: nothing is downloaded, nothing
-#    already installed changes; the build uses the host's setuptools (>= 68);
-# 3. runs the tests' cuda and cuda-graph parameters (failing, not skipping, if either is absent)
+# 1. checks that torch is a CUDA build >= 2.4, that pytest imports and that setuptools is >= 77
+#    (the SPDX license field of the packages' pyproject.toml);
+# 2. installs the packages of ci/packages.txt into that python ($PYTHON, default python3),
+#    editable, with pip install --no-deps --no-build-isolation --no-index: nothing is
+#    downloaded, nothing already installed changes; the build uses the host's setuptools;
+# 3. runs the tests' cuda, cuda-graph and cuda-compile parameters (failing, not skipping, if one
+#    is absent)
 #    and writes OUTDIR/gpu-report.json; the tests without a device are the CPU runners' and are
 #    left out (--device-tests-only), as is tests/test_install.py, which builds fresh venvs from
 #    a package index that this host cannot reach; in $PYTEST_WORKERS (default 8) processes
@@ -21,7 +23,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
-PACKAGES=(lora-core lora-cuda lora-ascend lora-layers)
+source ci/packages.sh  # PACKAGES: ci/packages.txt
 dry=0
 if [ "${1:-}" = "--dry-run" ]; then dry=1; shift; fi
 [ $# -le 1 ] || { echo "usage: bash ci/gpu.sh [--dry-run] [OUTDIR]" >&2; exit 2; }
@@ -39,7 +41,15 @@ run "$PYTHON" -c 'import sys, torch, pytest
 major, minor = (int(p) for p in torch.__version__.split(".")[:2])
 if torch.version.cuda is None or (major, minor) < (2, 4):
     sys.exit(f"ci/gpu.sh needs a CUDA build of torch >= 2.4; found torch {torch.__version__} (CUDA {torch.version.cuda})")
-print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, pytest {pytest.__version__}")'
+try:
+    import setuptools
+    found = setuptools.__version__
+except ImportError:
+    found = "none"
+if not found[:2].isdigit() or int(found.split(".")[0]) < 77:
+    sys.exit(f"ci/gpu.sh builds the packages with the setuptools of this python, which must be >= 77 "
+             f"(the SPDX license field of pyproject.toml); found {found}")
+print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, pytest {pytest.__version__}, setuptools {found}")'
 [ "$status" = 0 ] || exit "$status"
 editables=()
 for pkg in "${PACKAGES[@]}"; do editables+=(-e "packages/$pkg"); done
@@ -50,7 +60,8 @@ workers=()
 if "$PYTHON" -c 'import xdist' 2>/dev/null; then workers=(-n "${PYTEST_WORKERS:-8}"); fi
 run env TORCH_DEVICE_BACKEND_AUTOLOAD=0 "$PYTHON" -m pytest ${workers[@]+"${workers[@]}"} \
   --maxfail "${PYTEST_MAXFAIL:-20}" \
-  --device cuda --device cuda-graph --require-device cuda --require-device cuda-graph --device-tests-only \
+  --device cuda --device cuda-graph --device cuda-compile \
+  --require-device cuda --require-device cuda-graph --require-device cuda-compile --device-tests-only \
   --device-report "$out/gpu-report.json" --ignore=tests/test_install.py
 bench=(env TORCH_DEVICE_BACKEND_AUTOLOAD=0 "$PYTHON" -m lora_cuda.bench --json "$out/bench-cuda.json")
 if grep -q -- '"--device"' packages/lora-cuda/src/lora_cuda/bench.py; then

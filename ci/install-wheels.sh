@@ -10,6 +10,7 @@
 # TORCH_INDEX_URL=URL installs torch from that index instead (see README, "Choosing the torch build").
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
+source "$root/ci/packages.sh"  # PACKAGES: ci/packages.txt
 PYTHON=${PYTHON:-python3}
 dist=$root/dist
 if [ "${1:-}" = "--dist" ]; then
@@ -22,16 +23,15 @@ fi
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 # A rebuilt wheel keeps its version, and pip keeps an installed distribution of the same
 # version: remove ours first so that these wheels are the ones installed.
-installed=$("$PYTHON" - <<'PY'
+installed=$("$PYTHON" -c '
+import sys
 from importlib import metadata
-for name in ("lora-core", "lora-cuda", "lora-ascend", "lora-layers"):
+for name in sys.argv[1:]:
     try:
         metadata.distribution(name)
     except metadata.PackageNotFoundError:
         continue
-    print(name)
-PY
-)
+    print(name)' "${PACKAGES[@]}")
 if [ -n "$installed" ]; then
   # shellcheck disable=SC2086  # one name per word
   "$PYTHON" -m pip uninstall -q -y $installed

@@ -13,7 +13,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
-PACKAGES=(lora-core lora-cuda lora-ascend lora-layers)
+source ci/packages.sh  # PACKAGES: ci/packages.txt
 STAMP=.venv/lora-kit-install.stamp
 case "${1:-}" in
   "") mode=test extra="[test]" reqs=(-r tests/requirements.txt) ;;

@@ -2,7 +2,7 @@
 
     python ci/install_stamp.py PACKAGE...     (run from the repository root)
 
-Hashed: ci/install.sh, ci/constraints.txt, tests/requirements.txt, each package's
+Hashed: ci/install.sh, ci/packages.txt, ci/constraints.txt, tests/requirements.txt, each package's
 pyproject.toml (dependencies and entry points live there) and setup.py / setup.cfg /
 MANIFEST.in if present, the names of the top-level entries of each package's src/ (a new
 top-level package changes what an install provides; new modules inside one do not, as
@@ -17,7 +17,7 @@ import os
 import sys
 from pathlib import Path
 
-INSTALL_FILES = ("ci/install.sh", "ci/constraints.txt", "tests/requirements.txt")
+INSTALL_FILES = ("ci/install.sh", "ci/packages.txt", "ci/constraints.txt", "tests/requirements.txt")
 PACKAGE_FILES = ("pyproject.toml", "setup.py", "setup.cfg", "MANIFEST.in")
 
 

@@ -6,11 +6,11 @@
 # gets constraints.txt, which pins lora-core, lora-cuda, lora-ascend and lora-layers to these
 # wheel files: `pip install -c DIR/constraints.txt lora-layers` then never asks an index for
 # our names. Build isolation fetches setuptools from pip's configured index;
-# --no-build-isolation uses the setuptools (>=68) of $PYTHON instead.
+# --no-build-isolation uses the setuptools of $PYTHON instead (>= 77, for the SPDX license field).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
-PACKAGES=(lora-core lora-cuda lora-ascend lora-layers)
+source ci/packages.sh  # PACKAGES: ci/packages.txt
 isolation=()
 if [ "${1:-}" = "--no-build-isolation" ]; then isolation=(--no-build-isolation); shift; fi
 [ $# -le 1 ] || { echo "usage: bash ci/wheels.sh [--no-build-isolation] [DIR]" >&2; exit 2; }
@@ -28,7 +28,7 @@ echo "ci/wheels.sh: building ${PACKAGES[*]} into $dist"
 PIP_DISABLE_PIP_VERSION_CHECK=1 "$PYTHON" -m pip wheel -q --no-deps ${isolation[@]+"${isolation[@]}"} --wheel-dir "$dist" \
   "${PACKAGES[@]/#/$work/}"
 {
-  echo "# Written by ci/wheels.sh: our four names come from these wheel files, never from an index."
+  echo "# Written by ci/wheels.sh: our packages (ci/packages.txt) come from these wheel files, never from an index."
   for pkg in "${PACKAGES[@]}"; do
     wheels=("$dist/${pkg//-/_}"-*.whl)
     [ ${#wheels[@]} -eq 1 ] && [ -f "${wheels[0]}" ] || { echo "ci/wheels.sh: no single wheel for $pkg in $dist" >&2; exit 1; }

@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -21,7 +22,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("lora-core", "lora-cuda", "lora-ascend", "lora-layers")
+PACKAGES = tuple(line for line in (ROOT / "ci/packages.txt").read_text().splitlines()
+                 if line and not line.startswith("#"))
+GPU_DEVICES = ("cuda", "cuda-graph", "cuda-compile")
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -63,14 +66,14 @@ def test_gpu_dry_run_installs_the_four_packages_offline_without_deps(gpu_command
     assert all((ROOT / path / "pyproject.toml").is_file() for path in editable)
 
 
-def test_gpu_dry_run_pytest_requires_cuda_and_cuda_graph_and_writes_a_report(gpu_commands, tmp_path):
+def test_gpu_dry_run_pytest_requires_every_cuda_parameter_and_writes_a_report(gpu_commands, tmp_path):
     out, commands, _ = gpu_commands
     pytest_cmd = _strip_env(_command(commands, "pytest"))
     assert pytest_cmd[:3] == [sys.executable, "-m", "pytest"]
     args = pytest_cmd[3:]
     pairs = list(zip(args, args[1:]))
-    for pair in [("--device", "cuda"), ("--device", "cuda-graph"), ("--require-device", "cuda"),
-                 ("--require-device", "cuda-graph"), ("--device-report", str(out / "gpu-report.json"))]:
+    for pair in [*(("--device", d) for d in GPU_DEVICES), *(("--require-device", d) for d in GPU_DEVICES),
+                 ("--device-report", str(out / "gpu-report.json"))]:
         assert pair in pairs, f"{pair} missing from {args}"
     assert "--device-tests-only" in args  # the device-less tests are the CPU runners
     ignored = [a.split("=", 1)[1] for a in args if a.startswith("--ignore=")]
@@ -88,7 +91,7 @@ def test_gpu_dry_run_pytest_requires_cuda_and_cuda_graph_and_writes_a_report(gpu
                          capture_output=True, text=True, env=_env(), timeout=600)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     data = json.loads(report.read_text())
-    assert data["selected_devices"] == ["cuda", "cuda-graph"] and data["required_devices"] == ["cuda", "cuda-graph"]
+    assert data["selected_devices"] == list(GPU_DEVICES) and data["required_devices"] == list(GPU_DEVICES)
     assert "[cuda]" in run.stdout and "[cpu]" not in run.stdout, "only the cuda parameters are collected"
 
 
@@ -139,7 +142,8 @@ def test_gpu_script_rejects_extra_arguments():
 @pytest.fixture
 def stamp_tree(tmp_path: Path) -> Path:
     """A copy of what ci/install_stamp.py reads."""
-    for name in ("ci/install.sh", "ci/install_stamp.py", "ci/constraints.txt", "tests/requirements.txt"):
+    for name in ("ci/install.sh", "ci/install_stamp.py", "ci/packages.txt", "ci/constraints.txt",
+                 "tests/requirements.txt"):
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(ROOT / name, tmp_path / name)
     for package in PACKAGES:
@@ -188,3 +192,114 @@ def test_install_wheels_needs_built_wheels(tmp_path):
     assert run.returncode == 2
     assert run.stderr.strip() == (f"ci/install-wheels.sh: no {tmp_path}/constraints.txt; "
                                   f"build the wheels first: bash ci/wheels.sh {tmp_path}")
+
+
+def test_the_package_list_is_written_once():
+    """ci/packages.txt names every directory of packages/, in dependency order; the scripts read it."""
+    import tomllib
+
+    assert sorted(PACKAGES) == sorted(p.name for p in (ROOT / "packages").iterdir() if (p / "pyproject.toml").is_file())
+    for i, package in enumerate(PACKAGES):
+        deps = tomllib.loads((ROOT / "packages" / package / "pyproject.toml").read_text())["project"]["dependencies"]
+        ours = [d for d in deps if d in PACKAGES]
+        assert all(PACKAGES.index(d) < i for d in ours), f"{package} depends on a package listed after it: {ours}"
+    for script in sorted((ROOT / "ci").glob("*.sh")):
+        text = script.read_text()
+        assert " ".join(PACKAGES) not in text and '"lora-core", "lora-cuda"' not in text, \
+            f"{script.name} writes the package list again: source ci/packages.sh"
+
+
+def test_building_the_wheels_needs_the_setuptools_that_reads_the_spdx_license():
+    """The packages' license is an SPDX expression (setuptools >= 77 reads it; the old table form is
+    deprecated, and refused from 2027-02-18), and every place that builds them asks for that floor."""
+    import configparser
+    import tomllib
+
+    for package in PACKAGES:
+        data = tomllib.loads((ROOT / "packages" / package / "pyproject.toml").read_text())
+        assert isinstance(data["project"]["license"], str), f"{package}: license must be an SPDX string"
+        assert data["build-system"]["requires"] == ["setuptools>=77"], package
+    tox = configparser.ConfigParser(interpolation=None)
+    tox.read(ROOT / "tox.ini")
+    assert tox["testenv"]["deps"].split("#")[0].strip() == "setuptools>=77"
+
+
+def _docs_script():
+    spec = importlib.util.spec_from_file_location("ci_docs", ROOT / "ci" / "docs.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_docs_script_usage_and_the_timed_table_waits_for_a_quiet_machine(monkeypatch, capsys):
+    docs = _docs_script()
+    assert docs.main([]) == 2 and docs.main(["sim", "--fast"]) == 2
+    assert capsys.readouterr().err.count("usage: python ci/docs.py device-matrix | sim [--force]") == 2
+    monkeypatch.setattr(docs.os, "getloadavg", lambda: (3.5, 2.0, 1.0))
+    monkeypatch.setattr(docs, "_run", lambda *a: pytest.fail("ran bash ci/sim.sh on a busy machine"))
+    assert docs.main(["sim"]) == 1
+    assert "the 1-minute load average is 3.50" in capsys.readouterr().err
+
+
+def test_the_worked_example_of_device_matrix_md_is_stamped():
+    text = (ROOT / "docs" / "device-matrix.md").read_text()
+    assert re.search(r"prints \(regenerated by `python ci/docs.py device-matrix` at [0-9a-f]{7,}(\+changes)?, "
+                     r"\d{4}-\d{2}-\d{2}; its headings", text)
+
+
+def test_tox_script_names_the_envs_it_skips_and_can_require_them(tmp_path):
+    """ci/tox.sh runs tox.ini's envs whose python runs here, and says which it leaves out."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python3.11").symlink_to(sys.executable)
+    broken = bin_dir / "python3.12"  # like a pyenv shim of a version that is not active
+    broken.write_text("#!/bin/sh\necho 'pyenv: python3.12: command not found' >&2\nexit 127\n")
+    broken.chmod(0o755)
+    env = {**_env(), "PATH": f"{bin_dir}:/usr/bin:/bin", "TOX": "tox"}
+    run = subprocess.run(["bash", "ci/tox.sh", "--dry-run", "-q"], cwd=ROOT, capture_output=True, text=True,
+                         env=env, timeout=60)
+    assert run.returncode == 0, run.stderr
+    lines = run.stdout.splitlines()
+    skipped = [line for line in lines if line.startswith("ci/tox.sh: skipping ")]
+    assert skipped == [f"ci/tox.sh: skipping py312-{e}: no working python3.12 on PATH"
+                       for e in ("core", "cuda", "ascend", "layers", "integration")]
+    assert lines[-1] == "+ tox -p -e py311-core\\,py311-cuda\\,py311-ascend\\,py311-layers\\,py311-integration -q"
+    run = subprocess.run(["bash", "ci/tox.sh", "--require-all", "--dry-run"], cwd=ROOT, capture_output=True,
+                         text=True, env=env, timeout=60)
+    assert run.returncode == 2 and run.stdout == ""
+    assert run.stderr.splitlines()[0] == "ci/tox.sh: error: no working python3.12 on PATH for py312-core (--require-all)"
+
+
+def test_every_tox_env_writes_the_junit_report_that_ci_tox_sh_counts():
+    import configparser
+
+    tox = configparser.ConfigParser(interpolation=None)
+    tox.read(ROOT / "tox.ini")
+    commands = [c for c in tox["testenv"]["commands"].splitlines() if "pytest" in c]
+    assert len(commands) == 5 and all("--junitxml={env_tmp_dir}/junit.xml" in c for c in commands)
+
+
+def test_docs_script_rewrites_the_readme_table_from_a_sim_run(monkeypatch, tmp_path):
+    docs = _docs_script()
+    readme = tmp_path / "README.md"
+    original = (ROOT / "README.md").read_text()
+    readme.write_text(original)
+    printed = "\n".join([
+        "lora-sim: model {...}", "machine: Test CPU (2 cores), torch 2.13.0+cpu, 2 threads, Python 3.11.7",
+        "timings: median (min–max) over 5 rounds, the LoRA and the base model interleaved in each",
+        "| backend | device | result | max abs err |", "|---|---|---|---|",
+        "| ascend | cpu | pass | 1e-06 |", "| ascend | cuda | skipped: no CUDA | |", ""])
+    monkeypatch.setattr(docs, "README", readme)
+    monkeypatch.setattr(docs.os, "getloadavg", lambda: (0.25, 0.5, 0.5))
+    monkeypatch.setattr(docs, "stamp", lambda: "abc1234, 2026-12-05")
+    monkeypatch.setattr(docs, "_run", lambda command, cwd: subprocess.CompletedProcess(command, 0, printed, ""))
+    assert docs.main(["sim"]) == 0
+    text = readme.read_text()
+    assert ("regenerated them at abc1234, 2026-12-05 (Test CPU (2 cores), torch 2.13.0+cpu, 2 threads, "
+            "Python 3.11.7; load average 0.25 before the run;") in text
+    table = text[text.index("| backend | device | result |"):]
+    assert table.split("\n\n")[0] == "| backend | device | result | max abs err |\n|---|---|---|---|\n" \
+                                      "| ascend | cpu | pass | 1e-06 |"
+    before = original[: original.index("The rows that ran on this project's CPU runner")]
+    after = original[original.index("(The model is tiny"):]
+    assert text.startswith(before) and text.endswith(after)

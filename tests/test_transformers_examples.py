@@ -40,7 +40,13 @@ def test_the_example_of_docs_transformers_md_runs(capsys, tmp_path, monkeypatch)
     doc = EXAMPLES.parent / "docs" / "transformers.md"
     (block,) = re.findall(r"^```python\n(.*?)^```", doc.read_text(), re.S | re.M)[:1]
     monkeypatch.chdir(tmp_path)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         exec(compile(block, str(doc), "exec"), {"__name__": "__docs_example__"})
     assert "tokens equal PEFT's" in capsys.readouterr().out
+    # the one warning the example prints outside its own catch_warnings is the one the doc explains
+    ours = [str(w.message) for w in caught if "base-model weights" in str(w.message)]
+    assert len(ours) == 1 and ours[0].endswith(
+        "/chat: ignoring base-model weights saved with the adapter: base_model.model.lm_head.base_layer.weight"), ours
+    assert "ignoring base-model weights saved with the adapter: base_model.model.lm_head.base_layer.weight" in \
+        doc.read_text()

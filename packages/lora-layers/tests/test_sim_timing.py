@@ -96,7 +96,7 @@ def test_a_row_times_lora_and_base_interleaved_and_reports_every_round(capsys, m
 
 def test_too_few_rounds_is_bad_input(capsys):
     assert sim.main(["--rounds", "1"]) == 2
-    assert "--rounds must be at least 3" in capsys.readouterr().err
+    assert "argument --rounds: must be an integer from 3 to 100, got '1'" in capsys.readouterr().err
 
 
 def test_the_plot_draws_medians_with_min_max_whiskers(monkeypatch, tmp_path):

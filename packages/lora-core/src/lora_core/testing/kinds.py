@@ -147,7 +147,7 @@ class NpuDevice(DeviceType):
 
     def probe(self) -> DeviceProbe:
         if importlib.util.find_spec("torch_npu") is None:
-            return self._probe(False, "torch_npu is not installed (pip install lora-ascend[npu])")
+            return self._probe(False, "torch_npu is not installed (pip install torch_npu, with the CANN stack: docs/ascend.md)")
         try:
             import torch_npu  # noqa: F401
 

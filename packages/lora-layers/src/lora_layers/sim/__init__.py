@@ -20,7 +20,8 @@ from lora_core.testing.timing import Interleaved, Spread, machine_info
 
 from .adapters import make_synthetic_adapters
 from .bench import discover_benchmarks, run_benchmarks
-from .cli import build_parser, main, parse_adapters, parse_config
+from .checks import MAX_DECODE_STEPS, MAX_MEMORY_GIB, MAX_ROUNDS, estimate_memory
+from .cli import build_parser, check_run, main, parse_adapters, parse_config
 from .errors import UsageError
 from .reference import merged_reference_models, reference_logits
 from .report import format_rows, write_plot

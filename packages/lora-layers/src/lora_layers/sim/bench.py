@@ -9,6 +9,7 @@ that accepts ``--smoke`` (tiny shapes), e.g. ``torch_native = "lora_cuda.bench:m
 from __future__ import annotations
 
 import sys
+import time
 import traceback
 from importlib.metadata import EntryPoint, entry_points
 from typing import TextIO
@@ -44,9 +45,11 @@ def _run_one(ep: EntryPoint, argv: list[str], err: TextIO) -> int:
     return int(status or 0)
 
 
-def run_benchmarks(smoke: bool, out: TextIO | None = None, err: TextIO | None = None) -> int:
+def run_benchmarks(smoke: bool, out: TextIO | None = None, err: TextIO | None = None,
+                   progress: bool = False) -> int:
     """Run every benchmark of :func:`discover_benchmarks` in name order (``--smoke``
-    passed on when ``smoke``), each under a header line on ``out``.
+    passed on when ``smoke``), each under a header line on ``out``; with ``progress``,
+    a line on ``err`` when each starts and when it ends (its status and seconds).
 
     Returns 0 when all of them return 0, else the exit status of the first that did
     not (1 for one that cannot be loaded or raises); every benchmark runs either way.
@@ -56,7 +59,7 @@ def run_benchmarks(smoke: bool, out: TextIO | None = None, err: TextIO | None = 
     benchmarks = discover_benchmarks()
     if not benchmarks:
         print(f"lora-sim bench: no benchmarks are installed (entry-point group {BENCHMARK_GROUP!r} is empty); "
-              "install a backend package that has some, e.g. lora-cuda", file=err)
+              "install a backend package that has some, e.g. lora-cuda: bash ci/install-wheels.sh lora-cuda", file=err)
         return 1
     argv = ["--smoke"] if smoke else []
     first_failure = 0
@@ -64,8 +67,14 @@ def run_benchmarks(smoke: bool, out: TextIO | None = None, err: TextIO | None = 
         if i:
             print(file=out)
         print(f"## benchmark {ep.name} ({ep.value})", file=out, flush=True)
+        label = f"lora-sim bench: [{i + 1}/{len(benchmarks)}] {ep.name}"
+        if progress:
+            print(f"{label}: running {ep.value} {' '.join(argv)}".rstrip(), file=err, flush=True)
+        started = time.perf_counter()
         status = _run_one(ep, argv, err)
         out.flush()
+        if progress:
+            print(f"{label}: exit status {status}, {time.perf_counter() - started:.1f} s", file=err, flush=True)
         if status:
             print(f"lora-sim bench: {ep.name} exited with status {status}", file=err)
             first_failure = first_failure or status

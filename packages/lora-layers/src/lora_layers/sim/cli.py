@@ -1,4 +1,9 @@
-"""``lora-sim``'s command line: argument parsing, input checks, and :func:`main`."""
+"""``lora-sim``'s command line: argument parsing, input checks, and :func:`main`.
+
+Every option and every ``--model-config`` field is checked (:mod:`.checks`) before any
+work starts; bad input is one line naming the option and what it accepts, and exit
+status 2, never a traceback.
+"""
 
 from __future__ import annotations
 
@@ -10,12 +15,29 @@ import tempfile
 from pathlib import Path
 from typing import Sequence
 
-from lora_core import AdapterFormatError, available_backends, load_peft_adapter
+from lora_core import available_backends, load_peft_adapter
 from lora_core.testing import DEVICE_NAMES
 
 from ..models import TinyConfig, TinyDecoder
-from .adapters import make_synthetic_adapters
+from .adapters import SYNTHETIC_ADAPTERS, make_synthetic_adapters
 from .bench import BENCHMARK_GROUP, run_benchmarks
+from .checks import (
+    CONFIG_RANGES,
+    MAX_DECODE_STEPS,
+    MAX_MEMORY_GIB,
+    MAX_ROUNDS,
+    MIN_ROUNDS,
+    PLOT_SUFFIXES,
+    MemoryEstimate,
+    check_config_fields,
+    check_output_path,
+    check_plot_support,
+    estimate_memory,
+    float_in,
+    int_in,
+    one_line,
+    read_config_text,
+)
 from .errors import UsageError
 from .report import format_devices, format_header, format_rows, to_json, write_plot
 from .run import ROUNDS, run_simulation
@@ -23,10 +45,12 @@ from .serving import build_multilora
 from lora_core.testing.timing import machine_info
 from .workload import DEFAULT_CONFIG, Workload, default_workload
 
-__all__ = ["TRANSFORMERS_KEYS", "build_parser", "check_adapters_fit", "main", "parse_adapters", "parse_config",
-           "read_model_config"]
+__all__ = ["OPTION_COMMANDS", "TRANSFORMERS_KEYS", "RunPlan", "build_parser", "check_adapters_fit", "check_run",
+           "main", "parse_adapters", "parse_config", "read_model_config"]
 
 DESCRIPTION = "simulate a multi-LoRA serving run on every installed backend and device"
+
+_RANGES = "; ".join(f"{k} {lo}-{hi}" for k, (lo, hi) in CONFIG_RANGES.items() if k != "seed")
 
 EPILOG = f"""\
 The default run needs nothing but this package: a small seeded decoder-shaped
@@ -42,7 +66,8 @@ the tolerance of unit-scale ones.
 
 Timings are medians over --rounds rounds with their min-max spread; in each round
 the LoRA model and the base model run interleaved (prefill by prefill, decode step
-by decode step). --json carries every per-round sample.
+by decode step). --json carries every per-round sample. A line per row goes to
+stderr as the rows finish (none with --quiet or --json -).
 
 --model-config: a JSON file or inline JSON object of the model's sizes, either
 lora-sim's own keys (vocab_size, hidden_size, intermediate_size, num_hidden_layers,
@@ -53,12 +78,27 @@ num_attention_heads and num_key_value_heads are used, every other key is ignored
 (a note on stderr says which). --adapter adapters are served at the largest rank
 among them.
 
+limits (checked before anything runs; bad input exits 2 with one line):
+  --decode-steps 1-{MAX_DECODE_STEPS}; --rounds {MIN_ROUNDS}-{MAX_ROUNDS}
+  --model-config integers: {_RANGES}; seed 0-2**63-1;
+    num_attention_heads divides hidden_size, num_key_value_heads divides
+    num_attention_heads; fused is true or false
+  memory: a run estimated to need more than --max-memory-gib (default {MAX_MEMORY_GIB:g})
+    GiB is refused (fp32 copies of the model per adapter, plus LoRA buffers)
+  --json and --plot: writable paths, checked first; --plot ends in
+    {', '.join(PLOT_SUFFIXES)} and needs matplotlib (pip install matplotlib)
+
 examples:
   lora-sim                       # the default run, a table on stdout
   lora-sim devices               # what was probed and found
   lora-sim bench --smoke         # the installed op benchmarks, tiny shapes
+  lora-sim --json - --quiet      # the results as JSON on stdout, nothing on stderr
   lora-sim --adapter sql=path/to/peft_dir --model-config '{{"hidden_size": 512}}'
   lora-sim --adapter sql=path/to/peft_dir --model-config path/to/base_model/config.json
+
+options by command: run takes every option but --smoke; bench takes --smoke and
+--quiet; devices takes none. An option given to a command that does not use it
+is an error.
 
 exit status:
   run      0 when every row that ran is within tolerance, 1 when one is not
@@ -75,6 +115,14 @@ TRANSFORMERS_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidd
                      "num_key_value_heads")
 """The keys of a transformers ``config.json`` (Llama, Qwen2, Mistral, ... naming) that lora-sim's model reads."""
 
+OPTION_COMMANDS: dict[str, tuple[str, ...]] = {
+    **{dest: ("run",) for dest in ("adapter", "model_config", "backend", "device", "decode_steps", "rounds", "json",
+                                   "plot", "max_memory_gib")},
+    "smoke": ("bench",),
+    "quiet": ("run", "bench"),
+}
+"""Each option (by its argparse ``dest``) and the commands that use it; given to another, it is an error."""
+
 
 def _is_transformers_config(values: dict) -> bool:
     return "model_type" in values or "architectures" in values
@@ -82,30 +130,33 @@ def _is_transformers_config(values: dict) -> bool:
 
 def _from_transformers(values: dict) -> tuple[dict, str]:
     """The :class:`TinyConfig` fields of a transformers config, and a note saying what was ignored."""
-    missing = [k for k in ("hidden_size", "num_attention_heads") if not isinstance(values.get(k), int)]
+    missing = [k for k in ("hidden_size", "num_attention_heads") if values.get(k) is None]
     if missing:
+        nested = [k for k in ("text_config", "llm_config", "language_config") if isinstance(values.get(k), dict)]
+        hint = f"; its language model's sizes are under {nested[0]!r}: give that object" if nested else ""
         raise UsageError(f"--model-config: this transformers config has no {', '.join(missing)} "
-                         f"(lora-sim reads {', '.join(TRANSFORMERS_KEYS)})")
+                         f"(lora-sim reads {', '.join(TRANSFORMERS_KEYS)}){hint}")
     fields = {k: values[k] for k in TRANSFORMERS_KEYS if values.get(k) is not None}
     fields.setdefault("num_key_value_heads", fields["num_attention_heads"])
     head_dim = values.get("head_dim")
-    if head_dim is not None and head_dim * fields["num_attention_heads"] != fields["hidden_size"]:
-        raise UsageError(f"--model-config: head_dim = {head_dim} is not hidden_size / num_attention_heads "
-                         f"({fields['hidden_size']} / {fields['num_attention_heads']}); lora-sim's model derives it")
+    if head_dim is not None:
+        heads, hidden = fields["num_attention_heads"], fields["hidden_size"]
+        if not isinstance(head_dim, int) or isinstance(head_dim, bool):
+            raise UsageError(f"--model-config: head_dim must be an integer (hidden_size / num_attention_heads), "
+                             f"got {json.dumps(head_dim)}")
+        sizes = all(isinstance(v, int) and not isinstance(v, bool) for v in (heads, hidden))
+        if sizes and head_dim * heads != hidden:  # sizes of another type: the field checks name them
+            raise UsageError(f"--model-config: head_dim = {head_dim} is not hidden_size / num_attention_heads "
+                             f"({hidden} / {heads}); lora-sim's model derives it")
     ignored = sorted(set(values) - set(fields) - {"head_dim"})
     shown = ", ".join(ignored[:6]) + (", ..." if len(ignored) > 6 else "")
-    kind = values.get("model_type") or (values.get("architectures") or ["?"])[0]
+    architectures = values.get("architectures")
+    kind = values.get("model_type") or (architectures[0] if isinstance(architectures, list) and architectures
+                                        else "?")
     note = (f"--model-config: a transformers config ({kind}): using {', '.join(sorted(fields))}; "
             f"ignoring {len(ignored)} other key(s) ({shown})" if ignored else
             f"--model-config: a transformers config ({kind}): using {', '.join(sorted(fields))}")
     return fields, note
-
-
-def _read_file(text: str) -> str:
-    try:
-        return Path(text).read_text()
-    except OSError:  # not a readable file: given as inline JSON, which json.loads judges
-        return text
 
 
 def read_model_config(text: str | None) -> tuple[TinyConfig, str | None]:
@@ -115,17 +166,14 @@ def read_model_config(text: str | None) -> tuple[TinyConfig, str | None]:
     either :class:`~lora_layers.TinyConfig` fields overriding the default (an unknown key is
     an error), or a transformers ``config.json`` (it has ``model_type`` or
     ``architectures``): its :data:`TRANSFORMERS_KEYS` override the default and every other
-    key is ignored, which the note says.
+    key is ignored, which the note says. Every field is checked against
+    :data:`~lora_layers.sim.checks.CONFIG_RANGES` (:class:`UsageError` naming it otherwise).
     """
     if text is None:
         return DEFAULT_CONFIG, None
-    source = text if text.lstrip().startswith("{") else _read_file(text)
-    try:
-        values = json.loads(source)
-    except json.JSONDecodeError as err:
-        raise UsageError(f"--model-config is neither a JSON file nor inline JSON: {err}") from None
+    values, where = read_config_text(text)
     if not isinstance(values, dict):
-        raise UsageError("--model-config must be a JSON object, e.g. '{\"hidden_size\": 512}'")
+        raise UsageError(f"--model-config: {where} must be a JSON object, e.g. '{{\"hidden_size\": 512}}'")
     note = None
     if _is_transformers_config(values):
         values, note = _from_transformers(values)
@@ -134,14 +182,7 @@ def read_model_config(text: str | None) -> tuple[TinyConfig, str | None]:
     if unknown:
         raise UsageError(f"--model-config: unknown keys {unknown}; known: {sorted(known)} "
                          "(or give a transformers config.json)")
-    try:
-        config = TinyConfig(**{**DEFAULT_CONFIG.to_dict(), **values})
-        if config.hidden_size % config.num_attention_heads or config.num_attention_heads % config.num_key_value_heads:
-            raise UsageError("--model-config: hidden_size must divide by num_attention_heads, "
-                             "and num_attention_heads by num_key_value_heads")
-    except (TypeError, ZeroDivisionError) as err:
-        raise UsageError(f"--model-config: {err}") from None
-    return config, note
+    return TinyConfig(**check_config_fields(values, DEFAULT_CONFIG.to_dict())), note
 
 
 def parse_config(text: str | None) -> TinyConfig:
@@ -151,34 +192,65 @@ def parse_config(text: str | None) -> TinyConfig:
 
 def parse_adapters(specs: Sequence[str]) -> dict[str, Path]:
     """``--adapter NAME=PATH`` values as name -> directory, each loaded once to check it."""
-    adapters = {}
+    return {name: path for name, (path, _) in _load_adapters(specs).items()}
+
+
+def _load_adapters(specs: Sequence[str]) -> dict[str, tuple[Path, int]]:
+    """``--adapter NAME=PATH`` values as name -> (directory, rank), each loaded once to check it."""
+    adapters: dict[str, tuple[Path, int]] = {}
     for spec in specs:
         name, sep, path = spec.partition("=")
         if not sep or not name or not path:
-            raise UsageError(f"--adapter expects NAME=PATH, got {spec!r}")
+            raise UsageError(f"--adapter expects NAME=PATH (a name and a PEFT adapter directory), got {spec!r}")
         if name in adapters:
             raise UsageError(f"--adapter {name!r} given twice")
+        directory = Path(path)
+        if not directory.exists():
+            raise UsageError(f"--adapter {name}: no such directory: {path}")
+        if not directory.is_dir():
+            hint = (f"; did you mean its directory, {directory.parent}?"
+                    if directory.name.startswith("adapter_") else "")
+            raise UsageError(f"--adapter {name}: {path} is a file; give the PEFT adapter's directory (the one "
+                             f"holding adapter_config.json and adapter_model.safetensors){hint}")
         try:
-            load_peft_adapter(path)
-        except (FileNotFoundError, AdapterFormatError) as err:
-            raise UsageError(f"--adapter {name}: {err}") from None
-        adapters[name] = Path(path)
+            rank = load_peft_adapter(directory).rank
+        except Exception as err:  # whatever a bad adapter raises, it is bad input: one line
+            message = str(err) if str(path) in str(err) else f"{path}: {err}"
+            raise UsageError(f"--adapter {name}: {one_line(message)}") from None
+        adapters[name] = (directory, rank)
     return adapters
 
 
-def check_adapters_fit(config: TinyConfig, adapters: dict[str, Path]) -> None:
-    """Raise :class:`UsageError` (one line) when an adapter's modules or shapes do not fit a model of ``config``."""
+def check_adapters_fit(config: TinyConfig, adapters: dict[str, Path], hint: str = "") -> None:
+    """Raise :class:`UsageError` (one line) when an adapter's modules or shapes do not fit a model of ``config``;
+    ``hint`` is added to the message."""
     try:
         build_multilora(TinyDecoder(config), config, adapters)
-    except (ValueError, RuntimeError, FileNotFoundError) as err:
-        raise UsageError(str(err)) from None
+    except (ValueError, RuntimeError, FileNotFoundError, KeyError) as err:
+        raise UsageError(one_line(f"--adapter: {err}{hint}")) from None
 
 
-def _check_choice(kind: str, given: Sequence[str], known: Sequence[str]) -> list[str]:
+def _check_choice(option: str, given: Sequence[str], known: Sequence[str]) -> list[str]:
     unknown = [g for g in given if g not in known]
     if unknown:
-        raise UsageError(f"unknown {kind} {', '.join(map(repr, unknown))}; choose from {', '.join(known)}")
+        raise UsageError(f"unknown {option[2:]} {', '.join(map(repr, unknown))}; {option} accepts "
+                         f"{', '.join(known)}")
+    twice = sorted({g for g in given if given.count(g) > 1})
+    if twice:
+        raise UsageError(f"{option} {twice[0]} given twice")
     return list(given) or list(known)
+
+
+def _check_command_options(args: argparse.Namespace) -> None:
+    """An option given to a command that does not use it is an error, not ignored."""
+    for dest, commands in OPTION_COMMANDS.items():
+        value = getattr(args, dest)
+        if args.command in commands or value is None or value is False or value == []:
+            continue
+        flag = "--" + dest.replace("_", "-")
+        if args.command == "devices":
+            raise UsageError(f"{flag} is not an option of devices (lora-sim devices takes no options)")
+        raise UsageError(f"{flag} is an option of {' and '.join(commands)}, not of {args.command}")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -187,7 +259,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``lora-sim`` argument parser."""
+    """The ``lora-sim`` argument parser. Options a command does not use default to
+    ``None`` / ``[]`` / ``False``, so that giving one can be refused (:data:`OPTION_COMMANDS`)."""
     parser = _Parser(prog="lora-sim", description=DESCRIPTION, epilog=EPILOG,
                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("command", nargs="?", choices=["run", "devices", "bench"], default="run",
@@ -198,38 +271,102 @@ def build_parser() -> argparse.ArgumentParser:
                         "lora-sim's keys or a transformers config.json (see below)")
     parser.add_argument("--backend", action="append", default=[], help="restrict to these backends (repeatable)")
     parser.add_argument("--device", action="append", default=[], help="restrict to these devices (repeatable)")
-    parser.add_argument("--decode-steps", type=int, default=Workload.decode_steps,
-                        help=f"decode steps (default {Workload.decode_steps})")
-    parser.add_argument("--rounds", type=int, default=ROUNDS,
-                        help=f"timed rounds of prefill and of decode, at least 3 (default {ROUNDS})")
-    parser.add_argument("--json", metavar="PATH", help="write the full results, per-round samples included, as JSON")
-    parser.add_argument("--plot", metavar="PATH", help="write a PNG chart of throughput and overhead (matplotlib)")
+    parser.add_argument("--decode-steps", type=int_in(1, MAX_DECODE_STEPS), metavar="N",
+                        help=f"decode steps, 1 to {MAX_DECODE_STEPS} (default {Workload.decode_steps})")
+    parser.add_argument("--rounds", type=int_in(MIN_ROUNDS, MAX_ROUNDS), metavar="N",
+                        help=f"timed rounds of prefill and of decode, {MIN_ROUNDS} to {MAX_ROUNDS} (default {ROUNDS})")
+    parser.add_argument("--max-memory-gib", type=float_in(0, 65536), metavar="GIB",
+                        help=f"refuse a run estimated to need more memory than this (default {MAX_MEMORY_GIB:g})")
+    parser.add_argument("--json", metavar="PATH", help="write the full results, per-round samples included, as JSON "
+                        "('-': on stdout, instead of the table)")
+    parser.add_argument("--plot", metavar="PATH", help="write a chart of throughput and overhead "
+                        f"({', '.join(PLOT_SUFFIXES)}; needs matplotlib)")
     parser.add_argument("--smoke", action="store_true", help="with bench: tiny shapes")
+    parser.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
     return parser
 
 
-def _run(args: argparse.Namespace) -> int:
-    backends = _check_choice("backend", args.backend, available_backends())
-    devices = _check_choice("device", args.device, DEVICE_NAMES)
+@dataclasses.dataclass
+class RunPlan:
+    """A run, every input checked: what :func:`check_run` returns and the run executes.
+
+    ``adapters`` is ``None`` for the synthetic adapters; ``json_path`` is ``"-"`` for
+    stdout; ``progress`` says whether lines go to stderr.
+    """
+
+    backends: list[str]
+    devices: list[str]
+    config: TinyConfig
+    note: str | None
+    adapters: dict[str, Path] | None
+    decode_steps: int
+    rounds: int
+    json_path: Path | str | None
+    plot_path: Path | None
+    progress: bool
+    memory: MemoryEstimate
+
+
+def check_run(args: argparse.Namespace) -> RunPlan:
+    """Check every input of a run, cheapest first, before any work; :class:`UsageError` for the first bad one."""
+    backends = _check_choice("--backend", args.backend, available_backends())
+    devices = _check_choice("--device", args.device, DEVICE_NAMES)
+    json_path = args.json if args.json == "-" else (
+        check_output_path("--json", args.json) if args.json is not None else None)
+    plot_path = check_output_path("--plot", args.plot) if args.plot is not None else None
+    if plot_path is not None:
+        if plot_path == json_path or (isinstance(json_path, Path) and plot_path.resolve() == json_path.resolve()):
+            raise UsageError("--plot and --json name the same file; give two paths")
+        check_plot_support(plot_path)
     config, note = read_model_config(args.model_config)
-    if note:
-        print(f"lora-sim: {note}", file=sys.stderr)
-    if args.decode_steps < 1:
-        raise UsageError("--decode-steps must be at least 1")
-    if args.rounds < 3:
-        raise UsageError("--rounds must be at least 3 (a median and a spread need a few samples)")
+    given = _load_adapters(args.adapter) if args.adapter else None
+    ranks = [rank for _, rank in given.values()] if given else [spec[0] for spec in SYNTHETIC_ADAPTERS.values()]
+    memory = estimate_memory(config.to_dict(), ranks, sum(Workload.prompt_lens))
+    limit = MAX_MEMORY_GIB if args.max_memory_gib is None else args.max_memory_gib
+    if memory.gib > limit:
+        raise UsageError(f"this run needs about {memory.size()} of memory ({memory.describe()}), above "
+                         f"--max-memory-gib {limit:g}; raise the limit (a number of GiB) or give a smaller "
+                         "--model-config")
+    adapters = {name: path for name, (path, _) in given.items()} if given else None
+    if adapters:
+        hint = ("; the model is lora-sim's default (hidden_size "
+                f"{DEFAULT_CONFIG.hidden_size}, {DEFAULT_CONFIG.num_hidden_layers} layers): give the adapters' base "
+                "model with --model-config path/to/config.json") if args.model_config is None else (
+                "; is --model-config the config of the adapters' base model?")
+        check_adapters_fit(config, adapters, hint)
+    return RunPlan(backends=backends, devices=devices, config=config, note=note, adapters=adapters,
+                   decode_steps=Workload.decode_steps if args.decode_steps is None else args.decode_steps,
+                   rounds=ROUNDS if args.rounds is None else args.rounds, json_path=json_path, plot_path=plot_path,
+                   progress=not args.quiet and json_path != "-", memory=memory)
+
+
+def _run(plan: RunPlan) -> int:
+    if plan.note:
+        print(f"lora-sim: {plan.note}", file=sys.stderr)
+    config = plan.config
     with tempfile.TemporaryDirectory(prefix="lora-sim-") as tmp:
-        adapters = parse_adapters(args.adapter) if args.adapter else make_synthetic_adapters(config, Path(tmp))
-        workload = dataclasses.replace(default_workload(list(adapters)), decode_steps=args.decode_steps)
-        check_adapters_fit(config, adapters)
-        rows = run_simulation(backends, devices, config, adapters, workload, rounds=args.rounds)
+        if plan.adapters is None:
+            if plan.progress:
+                print(f"lora-sim: writing {len(SYNTHETIC_ADAPTERS)} synthetic adapters; {len(plan.backends)} "
+                      f"backend(s) x {len(plan.devices)} device(s) to run, about {plan.memory.size()} of memory",
+                      file=sys.stderr, flush=True)
+            adapters = make_synthetic_adapters(config, Path(tmp))
+        else:
+            adapters = plan.adapters
+        workload = dataclasses.replace(default_workload(list(adapters)), decode_steps=plan.decode_steps)
+        rows = run_simulation(plan.backends, plan.devices, config, adapters, workload, progress=plan.progress,
+                              rounds=plan.rounds)
     machine = machine_info()
-    print(format_header(config, list(adapters), workload, args.rounds, machine))
-    print(format_rows(rows))
-    if args.json:
-        Path(args.json).write_text(json.dumps(to_json(config, workload, rows, args.rounds, machine), indent=2))
-    if args.plot:
-        write_plot(rows, args.plot)
+    document = to_json(config, workload, rows, plan.rounds, machine)
+    if plan.json_path == "-":
+        print(json.dumps(document, indent=2))
+    else:
+        print(format_header(config, list(adapters), workload, plan.rounds, machine))
+        print(format_rows(rows))
+        if plan.json_path is not None:
+            plan.json_path.write_text(json.dumps(document, indent=2))
+    if plan.plot_path is not None:
+        write_plot(rows, str(plan.plot_path))
     ran = [r for r in rows if r.status != "skipped"]
     return 0 if ran and all(r.status == "pass" for r in ran) else 1
 
@@ -241,12 +378,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exc:  # --help (0) or an argparse error, already printed in one line (2)
         return exc.code if isinstance(exc.code, int) else 0
     try:
+        _check_command_options(args)
         if args.command == "devices":
             print(format_devices())
             return 0
         if args.command == "bench":
-            return run_benchmarks(args.smoke)
-        return _run(args)
+            return run_benchmarks(args.smoke, progress=not args.quiet)
+        return _run(check_run(args))
     except UsageError as err:
-        print(f"lora-sim: error: {err}", file=sys.stderr)
+        print(f"lora-sim: error: {one_line(err)}", file=sys.stderr)
         return 2

@@ -92,14 +92,15 @@ def format_devices() -> str:
 
 def write_plot(rows: Sequence[SimRow], path: str) -> None:
     """A PNG of decode tokens/s and LoRA overhead per row, bars at the median and
-    whiskers at min and max. Raises :class:`UsageError` without matplotlib."""
+    whiskers at min and max, in the format of ``path``'s suffix. Raises :class:`UsageError`
+    without matplotlib (``lora-sim --plot`` checks for it before the run)."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise UsageError("--plot needs matplotlib: pip install 'lora-layers[plot]'") from None
+        raise UsageError("--plot needs matplotlib, which is not installed: pip install matplotlib") from None
     ran = [r for r in rows if r.status in ("pass", "fail") and r.decode_tokens_per_s is not None]
     labels = [f"{r.backend}\n{r.device}" for r in ran]
     fig, axes = plt.subplots(1, 2, figsize=(max(6, 1.6 * len(ran)), 4))

@@ -220,29 +220,57 @@ def run_simulation(backends: Sequence[str], devices: Sequence[str], config: Tiny
     """One :func:`run_row` per backend x device, in that order; a row that raises
     ``ValueError``/``RuntimeError``/``TypeError`` becomes an ``"error"`` row.
 
-    ``progress``: a progress bar on stderr, when it is a terminal and the run takes
-    more than two seconds.
+    ``progress``: a line on stderr when the fp32 references are built and one per row as
+    it finishes (``lora-sim: [3/16] ascend / cpu-compile: pass, 4.1 s``); on a terminal
+    the row's line shows while it runs.
     """
+    jobs = [(b, d) for b in backends for d in devices]
+    say = _Progress(len(jobs)) if progress else None
+    if say:
+        say.line(f"building {len(adapter_paths) + 1} fp32 reference models")
     references = merged_reference_models(TinyDecoder(config), adapter_paths)
     rows = []
-    jobs = [(b, d) for b in backends for d in devices]
-    started = time.perf_counter()
-    progress = progress and sys.stderr.isatty()
-    for i, (backend, device_name) in enumerate(jobs):
-        if progress and time.perf_counter() - started > 2.0:
-            _progress(i, len(jobs), f"{backend} / {device_name}")
+    for backend, device_name in jobs:
+        if say:
+            say.start(f"{backend} / {device_name}")
         try:
             rows.append(run_row(backend, device_name, config, adapter_paths, workload, references, rounds))
         except (ValueError, RuntimeError, TypeError) as err:
             rows.append(SimRow(backend, device_name, "error", reason=f"{type(err).__name__}: {err}"))
-    if progress and time.perf_counter() - started > 2.0:
-        _progress(len(jobs), len(jobs), "done")
-        print(file=sys.stderr)
+        if say:
+            row = rows[-1]
+            say.finish(row.status if row.status == "pass" else f"{row.status}: {row.reason}"[:100])
+    if say:
+        say.line(f"{len(rows)} rows in {say.elapsed():.1f} s")
     return rows
 
 
-def _progress(done: int, total: int, label: str) -> None:
-    width = 24
-    filled = width * done // total
-    print(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {label:<32}", end="", file=sys.stderr,
-          flush=True)
+class _Progress:
+    """``lora-sim``'s progress lines on stderr: one per row, written when it finishes
+    (on a terminal its label shows from the start and the line is completed in place)."""
+
+    def __init__(self, total: int) -> None:
+        self.total, self.done = total, 0
+        self.started = self.row_started = time.perf_counter()
+        self.label = ""
+        self.tty = sys.stderr.isatty()
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.started
+
+    def line(self, text: str) -> None:
+        print(f"lora-sim: {text}", file=sys.stderr, flush=True)
+
+    def _prefix(self) -> str:
+        width = len(str(self.total))
+        return f"lora-sim: [{self.done + 1:>{width}}/{self.total}] {self.label}"
+
+    def start(self, label: str) -> None:
+        self.label, self.row_started = label, time.perf_counter()
+        if self.tty:
+            print(f"{self._prefix()} ...", end="", file=sys.stderr, flush=True)
+
+    def finish(self, result: str) -> None:
+        text = f"{self._prefix()}: {result}, {time.perf_counter() - self.row_started:.1f} s"
+        print(f"\r{text}" if self.tty else text, file=sys.stderr, flush=True)
+        self.done += 1
