@@ -1,6 +1,7 @@
 """Every registered backend, on every device parameter, against the reference math
 and against each other (docs/testing.md). Graph devices capture with batch A and replay B."""
 
+import inspect
 import random
 
 import pytest
@@ -16,6 +17,7 @@ from lora_core.testing import (
     random_linear_weights,
     random_ranks,
 )
+from lora_core.testing.cases import GARBAGE, fill_expand_input_garbage
 
 BACKENDS = available_backends()
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -124,3 +126,95 @@ def test_backends_agree_with_each_other():
         outs.append(backend.run_qkv(x, a, b, offsets))
     for out in outs[1:]:
         torch.testing.assert_close(out, outs[0], rtol=1e-5, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- the expand alone
+# Bug class 9 (docs/bug-classes.md): through a layer the expand only ever sees a shrink output,
+# zero beyond each rank, so an expand that reads past the rank in some slice (the control
+# loop's slices after the first, say) adds nothing and passes. Here the expand gets an input
+# with garbage beyond every row's rank in *every* slice, and B with or without garbage there.
+EXPAND_LAYOUTS = ("segments", "slot groups", "slot blocks")
+"""The eager control plan's three layouts (lora_cuda.control_plan); graph-mode batches and the
+vectorized backend take the static kernels whatever the layout."""
+
+
+def _layout_batch(rng: random.Random, layout: str, T: int, ranks: list[int]) -> tuple[list[int], list]:
+    """``T`` tokens whose eager control plan is ``layout``, with slot -1 / None / rank-0 rows."""
+    L, active = len(ranks), [s for s, r in enumerate(ranks) if r > 0]
+    idle = [-1, None] + [s for s, r in enumerate(ranks) if r == 0]
+    if layout == "segments":  # a few long requests, no slot twice: one GEMM per request and slice
+        slots = active + idle
+        rng.shuffle(slots)
+        cuts = sorted(rng.sample(range(1, T), len(slots) - 1))
+        return [b - a for a, b in zip([0, *cuts], [*cuts, T])], slots
+    if layout == "slot groups":  # single tokens, one hot slot: padding all groups to its size would cost too much
+        hot = rng.choice(active)
+        others = [s for s in active if s != hot] + idle
+        slots = [hot] * T
+        for pos, s in zip(rng.sample(range(1, T - 1), len(others)), others):
+            slots[pos] = s
+        return [1] * T, slots
+    slots = [active[t % len(active)] for t in range(T)]  # slot blocks: single tokens spread evenly
+    for pos, s in zip(rng.sample(range(T), len(idle)), idle):
+        slots[pos] = s
+    return [1] * T, slots
+
+
+def _control_layout(info) -> str:
+    from lora_cuda.control_plan import ControlPlan
+
+    plan = ControlPlan.build(info)
+    return "slot blocks" if plan.slot_blocks is not None else "slot groups" if plan.by_slot else "segments"
+
+
+@pytest.mark.parametrize("backend_name", BACKENDS)
+@pytest.mark.parametrize("kernel", ["auto", "grouped", "blocked"])
+@pytest.mark.parametrize("layout", EXPAND_LAYOUTS)
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+def test_expand_reads_nothing_beyond_each_slots_rank_in_any_slice(device, backend_name, kernel, layout, mode):
+    """Every expand path (control loop in its three layouts, grouped and blocked static
+    kernels, the vectorized backend; eager, graph-mode, captured or compiled and replayed
+    after a refill) equals the reference, which reads ``y[:, i*R : i*R + r]`` and ``B[:, :r]``
+    of each slice ``i`` only, on an input with garbage beyond every row's rank in every slice."""
+    if device.is_graph and mode == "eager":
+        pytest.skip("graph devices run graph-mode batches")
+    seed = EXPAND_LAYOUTS.index(layout) + 3 * ["auto", "grouped", "blocked"].index(kernel)
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    dtype = rng.choice(DTYPES)
+    R = rng.choice([8, 16])  # 16-byte aligned sizes in every dtype, so "grouped" takes the grouped GEMM
+    ranks = [R, 1, 0] + [rng.randint(1, R - 1) for _ in range(rng.randint(1, 3))]  # >= 3 active slots
+    rng.shuffle(ranks)
+    widths = rng.choice([[16, 8, 8], [24, 24], [8, 16, 24]])
+    T = rng.randint(20, 40)
+    pair = BatchPair(ranks, _layout_batch(rng, layout, T, ranks), _layout_batch(rng, layout, T, ranks))
+    refs = pair.reference_infos()
+    if mode == "eager":  # keep the layouts honest: each runs the control loop it is named after
+        assert [_control_layout(ref) for ref in refs] == [layout, layout]
+    garbage_in_b = seed % 2 == 0  # without it, only the input's garbage shows a read past the rank
+    _, b, offsets = random_linear_weights(gen, num_slots=len(ranks), max_rank=R, in_features=8, slice_widths=widths,
+                                          lora_ranks=ranks, dtype=dtype, device=device.torch_device,
+                                          garbage=GARBAGE if garbage_in_b else None)
+    c = len(widths)
+    y = torch.randn(T, c * R, generator=gen)
+    fill_expand_input_garbage(y, ranks, c, *(ref.token_slots_cpu.tolist() for ref in refs))
+    y = y.to(device.torch_device, dtype)
+    cls = get_backend(backend_name)
+    backend = cls(device.torch_device, **({"graph_kernel": kernel} if "graph_kernel" in inspect.signature(cls).parameters
+                                          else {}))
+
+    def expand(info, y):
+        backend.prepare_batch(info)
+        return backend.run_lora_b(y, b, offsets)
+
+    if mode == "graph" and not device.is_graph:  # one graph-mode batch info, refilled in place with B
+        info = pair.build(pair.batch_a, device.torch_device, use_graph=True)
+        with torch.no_grad():
+            out_a = expand(info, y).clone()
+            info.refill(*pair.batch_b)
+            out_b = expand(info, y)
+    else:
+        out_a, out_b = pair.run(device, expand, y)
+    for out, ref, batch in zip([out_a, out_b], refs, "AB"):
+        assert torch.isfinite(out.float()).all(), f"batch {batch}: the expand read garbage beyond a rank"
+        assert_close_to_reference(out, reference_lora_b(y, b, ref, offsets), dtype)

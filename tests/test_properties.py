@@ -36,6 +36,7 @@ from lora_core import available_backends, build_batch_info, get_backend  # noqa:
 from lora_core.reference import reference_lora_a, reference_lora_a_embedding, reference_lora_b  # noqa: E402
 from lora_core.testing import GARBAGE, TOLERANCES, clone_outputs, fill_embedding_garbage  # noqa: E402
 from lora_core.testing.hypothesis_profiles import budget  # noqa: E402
+from lora_core.testing.cases import fill_expand_input_garbage  # noqa: E402
 
 BACKENDS = available_backends()
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -344,3 +345,106 @@ def check_embedding_ops(device, backend_name, mode, case, vocab, added, dim, id_
             if t < len(slots) and slots[t] >= 0 and vocab <= token < vocab + added:
                 want[t] = embed_scale * extra[slots[t], token - vocab].float().cpu()
         assert_within(f"batch {batch} added-token rows", rows_out, want, want.abs(), dtype, ref)
+
+
+# ----------------------------------------------------------------------------- the expand alone
+# Bug class 9 (docs/bug-classes.md): garbage beyond every row's rank in *every* slice of the
+# expand's input, on batches drawn to take each control layout: the scenario's requests
+# (mostly segments), single tokens mostly on one hot slot (slot groups), single tokens
+# spread over the slots (slot blocks).
+@st.composite
+def decode_requests(draw, ranks: list[int], num_tokens: int, hot: bool):
+    """``num_tokens`` single-token requests. ``hot``: every slot (rank 0 included), slot -1
+    and ``None`` once each at inner positions, the rest on one slot with a rank, so that
+    padding every slot's group to the hot one would more than double the rows when at least
+    three slots have a rank; else slots drawn freely."""
+    L = len(ranks)
+    if not hot:
+        slot = st.one_of(st.none(), st.integers(-1, L - 1))
+        return [1] * num_tokens, draw(st.lists(slot, min_size=num_tokens, max_size=num_tokens))
+    hot_slot = draw(st.sampled_from([s for s, r in enumerate(ranks) if r > 0]))
+    others = [s for s in range(L) if s != hot_slot] + [-1, None]
+    positions = draw(st.permutations(range(1, num_tokens - 1)))[: len(others)]
+    slots: list = [hot_slot] * num_tokens
+    for pos, s in zip(positions, others):
+        slots[pos] = s
+    return [1] * num_tokens, slots
+
+
+EXPAND_CASES = dict(case=scenarios(), num_slices=st.integers(2, 3),
+                    widths=st.lists(st.integers(1, 24), min_size=3, max_size=3, unique=True),
+                    layout=st.sampled_from(["requests", "hot slot", "spread"]), garbage_in_b=st.booleans(),
+                    data=st.data())
+
+
+@pytest.mark.parametrize("backend_name", BACKENDS)
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+@given(**EXPAND_CASES)
+@budget(ci=15, long=400)
+def test_expand_reads_nothing_beyond_each_slots_rank(device, backend_name, mode, case, num_slices, widths, layout,
+                                                     garbage_in_b, data):
+    only_compile_devices(device, False)
+    check_expand_beyond_rank(device, backend_name, mode, case, num_slices, widths, layout, garbage_in_b, data)
+
+
+@pytest.mark.parametrize("backend_name", BACKENDS)
+@pytest.mark.parametrize("mode", ["graph"])
+@given(**EXPAND_CASES)
+@budget(ci=4, long=60)
+def test_expand_reads_nothing_beyond_each_slots_rank_compiled(device, backend_name, mode, case, num_slices, widths,
+                                                              layout, garbage_in_b, data):
+    only_compile_devices(device, True)
+    check_expand_beyond_rank(device, backend_name, mode, case, num_slices, widths, layout, garbage_in_b, data)
+
+
+def _control_layout(info) -> str:
+    from lora_cuda.control_plan import ControlPlan
+
+    plan = ControlPlan.build(info)
+    return "slot blocks" if plan.slot_blocks is not None else "slot groups" if plan.by_slot else "segments"
+
+
+def check_expand_beyond_rank(device, backend_name, mode, case, num_slices, widths, layout, garbage_in_b, data):
+    """The expand alone, for A and B, on an input with garbage beyond each row's rank in every
+    slice (the largest rank the row has in A or B: no batch may read it), and B with or
+    without garbage beyond the ranks, equals the reference, which reads ``y[:, i*R : i*R + r]``
+    and ``B[:, :r]`` of each slice only."""
+    if layout != "requests":  # decode batches; "hot slot" adds three slots with a rank
+        R = case["R"]
+        extra = data.draw(st.lists(st.integers(1, R), min_size=3, max_size=3)) if layout == "hot slot" else []
+        ranks = case["ranks"] + extra
+        n = data.draw(st.integers(len(ranks) + 4, 48))
+        case = {**case, "ranks": ranks, "scalings": case["scalings"] + [0.5] * len(extra),
+                "batch_a": data.draw(decode_requests(ranks, n, layout == "hot slot")),
+                "batch_b": data.draw(decode_requests(ranks, n, layout == "hot slot"))}
+    case = scenario(device, case, backend_name, mode)
+    runner = Runner(device, case)
+    dtype, R, ranks, L = case["dtype"], case["R"], case["ranks"], len(case["ranks"])
+    widths = [8 * w for w in widths[:num_slices]] if case["aligned"] else widths[:num_slices]
+    offsets = [0]
+    for w in widths:
+        offsets.append(offsets[-1] + w)
+    refs, mag_refs = runner.references(), runner.references(absolute=True)
+    if not runner.use_graph and backend_name == "torch_native":
+        event(f"{layout}: control layout {_control_layout(refs[0])}")
+    gen = torch.Generator().manual_seed(case["seed"])
+    b = torch.randn(L, offsets[-1], R, generator=gen) / R**0.5
+    if garbage_in_b:  # else only the input's garbage shows a read beyond a rank
+        for slot, r in enumerate(ranks):
+            b[slot, :, r:] = GARBAGE
+    y = torch.randn(runner.max_rows, num_slices * R, generator=gen)
+    fill_expand_input_garbage(y, ranks, num_slices, *(ref.token_slots_cpu.tolist() for ref in refs))
+    dev = device.torch_device
+    b = _strided(b.to(dev, dtype), case["strided"])
+    y = y.to(dev, dtype)
+    backend = make_backend(case["backend"], device, case["kernel"])
+
+    def expand(info, y):
+        backend.prepare_batch(info)
+        return backend.run_lora_b(y, b, offsets)
+
+    results = runner.run(expand, lambda info, n: (y[:n],))
+    for (out, (yi,)), ref, mag_ref, batch in zip(results, refs, mag_refs, "AB"):
+        assert out.dtype == dtype and out.shape == (yi.shape[0], offsets[-1])
+        assert_within(f"batch {batch} expand", out, reference_lora_b(yi, b, ref, offsets),
+                      reference_lora_b(yi.abs(), b.abs(), mag_ref, offsets), dtype, ref)

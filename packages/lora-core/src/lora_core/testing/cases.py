@@ -24,6 +24,7 @@ __all__ = [
     "random_ranks",
     "fill_linear_garbage",
     "fill_embedding_garbage",
+    "fill_expand_input_garbage",
     "random_linear_weights",
     "random_embedding_weights",
     "default_scalings",
@@ -91,6 +92,27 @@ def fill_embedding_garbage(a: torch.Tensor, b: torch.Tensor, lora_ranks: Sequenc
     for slot, r in enumerate(lora_ranks):
         a[slot, r:] = value
         b[slot, :, r:] = value
+
+
+def fill_expand_input_garbage(y: torch.Tensor, lora_ranks: Sequence[int], num_slices: int,
+                              *token_slots: Sequence[int | None], value: float = GARBAGE) -> torch.Tensor:
+    """Write ``value`` into the expand input ``y (rows, c*R)`` beyond each row's rank in *every*
+    slice (columns ``[i*R + r, (i+1)*R)`` of slice ``i``), in place, and return ``y``.
+
+    ``r`` is the largest rank row ``t`` has in any of the batches ``token_slots`` (each the
+    slot of every token, ``None``/-1 for none), so that no batch may read the garbage; rows
+    without an adapter in every batch (slot -1, rank-0 slots, rows beyond a batch's tokens
+    such as graph padding) get it in every column. A shrink output is zero there, which
+    hides an expand that reads past a rank: this input does not."""
+    rows, cR = y.shape
+    R = cR // num_slices
+    limit = torch.zeros(rows, dtype=torch.long)
+    for slots in token_slots:
+        for t, s in enumerate(list(slots)[:rows]):
+            if s is not None and s >= 0:
+                limit[t] = max(int(limit[t]), int(lora_ranks[s]))
+    beyond = torch.arange(R).repeat(num_slices)[None, :] >= limit[:, None]
+    return y.masked_fill_(beyond.to(y.device), value)
 
 
 def random_linear_weights(
