@@ -262,8 +262,9 @@ def test_tox_script_names_the_envs_it_skips_and_can_require_them(tmp_path):
     lines = run.stdout.splitlines()
     skipped = [line for line in lines if line.startswith("ci/tox.sh: skipping ")]
     assert skipped == [f"ci/tox.sh: skipping py312-{e}: no working python3.12 on PATH"
-                       for e in ("core", "cuda", "ascend", "layers", "integration")]
-    assert lines[-1] == "+ tox -p -e py311-core\\,py311-cuda\\,py311-ascend\\,py311-layers\\,py311-integration -q"
+                       for e in ("core", "cuda", "ascend", "layers", "integration", "example")]
+    assert lines[-1] == ("+ tox -p -e py311-core\\,py311-cuda\\,py311-ascend\\,py311-layers\\,py311-integration"
+                         "\\,py311-example -q")
     run = subprocess.run(["bash", "ci/tox.sh", "--require-all", "--dry-run"], cwd=ROOT, capture_output=True,
                          text=True, env=env, timeout=60)
     assert run.returncode == 2 and run.stdout == ""
@@ -275,8 +276,10 @@ def test_every_tox_env_writes_the_junit_report_that_ci_tox_sh_counts():
 
     tox = configparser.ConfigParser(interpolation=None)
     tox.read(ROOT / "tox.ini")
-    commands = [c for c in tox["testenv"]["commands"].splitlines() if "pytest" in c]
-    assert len(commands) == 5 and all("--junitxml={env_tmp_dir}/junit.xml" in c for c in commands)
+    factors = re.search(r"-\{([^}]*)\}$", tox["tox"]["env_list"].strip()).group(1).split(",")
+    commands = {c.split(":", 1)[0].strip(): c for c in tox["testenv"]["commands"].splitlines() if "pytest" in c}
+    assert sorted(commands) == sorted(factors)
+    assert all("--junitxml={env_tmp_dir}/junit.xml" in c for c in commands.values())
 
 
 def test_docs_script_rewrites_the_readme_table_from_a_sim_run(monkeypatch, tmp_path):
