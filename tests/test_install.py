@@ -134,6 +134,10 @@ def third_party(tmp_path_factory: pytest.TempPathFactory, wheel_dir: Path) -> Pa
             # --no-compile: no .pyc for torch's thousands of modules, which halves the install time
             _run(["bash", str(ROOT / "ci" / "install-wheels.sh"), "--dist", str(wheel_dir), *PACKAGES,
                   "--no-compile"], cwd=env_dir, PYTHON=str(python))
+            # pytest, by name, for the fresh project of the plugin test: `lora-core[test]` through the
+            # wheel constraints needs pip >= 26.1, and a Python 3.11 venv starts with pip 23.2
+            _run([str(python), "-m", "pip", "install", "-c", str(ROOT / "ci" / "constraints.txt"), "pytest",
+                  "--no-compile"], cwd=env_dir, PIP_DISABLE_PIP_VERSION_CHECK="1")
             _run([str(python), "-m", "pip", "uninstall", "-q", "-y", *PACKAGES], cwd=env_dir)
             (env_dir / "ready").write_text("")
     torch_version = _run([str(python), "-c", "from importlib.metadata import version; print(version('torch'))"],
@@ -143,9 +147,9 @@ def third_party(tmp_path_factory: pytest.TempPathFactory, wheel_dir: Path) -> Pa
                      cwd=env_dir).stdout.strip())
 
 
-@pytest.mark.parametrize("package", PACKAGES)
-def test_wheel_installs_alone_in_a_fresh_venv(package: str, wheel_dir: Path, third_party: Path,
-                                              tmp_path: Path) -> None:
+def _fresh_venv(package: str, wheel_dir: Path, third_party: Path, tmp_path: Path) -> tuple[Path, Path, Path]:
+    """``(env_dir, python, site)`` of a new venv holding ``package`` from its wheel (and the lora-kit
+    packages it declares), seeing the shared third-party layer through a ``.pth`` file."""
     env_dir = tmp_path / "venv"
     venv.EnvBuilder(with_pip=False).create(env_dir)  # pip, like torch, comes from the shared layer
     python = env_dir / "bin" / "python"
@@ -154,6 +158,13 @@ def test_wheel_installs_alone_in_a_fresh_venv(package: str, wheel_dir: Path, thi
     (site / "lora_kit_third_party.pth").write_text(f"{third_party}\n")
     _run([str(python), "-m", "pip", "install", "--no-index", "--find-links", str(wheel_dir), package], cwd=tmp_path,
          PIP_DISABLE_PIP_VERSION_CHECK="1")
+    return env_dir, python, site
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_wheel_installs_alone_in_a_fresh_venv(package: str, wheel_dir: Path, third_party: Path,
+                                              tmp_path: Path) -> None:
+    env_dir, python, site = _fresh_venv(package, wheel_dir, third_party, tmp_path)
 
     closure = _local_closure(package)
     probe = json.loads(_run([str(python), "-c", PROBE, package], cwd=tmp_path).stdout.strip().splitlines()[-1])
@@ -172,3 +183,32 @@ def test_wheel_installs_alone_in_a_fresh_venv(package: str, wheel_dir: Path, thi
         pytest.skip(f"installed, imported, backends {probe['backends']}; "
                     f"packages/{package}/README.md has no ```python block to run yet")
     _run([str(python), "-c", code], cwd=tmp_path)
+
+
+FRESH_PROJECT_TEST = """
+import torch
+
+
+def test_op(device):
+    x = torch.arange(4.0, device=device.torch_device)
+    out_a, out_b = device.run_two_batches(lambda t: t * 2, (x,), lambda: x.add_(1))
+    assert out_a.tolist() == [0.0, 2.0, 4.0, 6.0] and out_b.tolist() == [2.0, 4.0, 6.0, 8.0]
+"""
+
+
+def test_the_lora_core_wheel_gives_a_fresh_project_the_device_fixture(wheel_dir: Path, third_party: Path,
+                                                                        tmp_path: Path) -> None:
+    """Issue #31's new user: lora-core installed from its wheel, a directory with one test file that
+    takes ``device`` and no conftest; pytest finds the fixture and the options through the plugin."""
+    _, python, _ = _fresh_venv("lora-core", wheel_dir, third_party, tmp_path)
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "test_op.py").write_text(FRESH_PROJECT_TEST)
+    run = subprocess.run([str(python), "-m", "pytest", "-p", "no:cacheprovider", "-v", "--lora-device", "cpu",
+                          "--lora-device", "cpu-graphsim", "--lora-device", "cuda"], cwd=project,
+                         env={k: v for k, v in _env().items() if not k.startswith("PYTEST_")},
+                         capture_output=True, text=True, timeout=PIP_TIMEOUT_S)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "test_op.py::test_op[cpu] PASSED" in run.stdout
+    assert "test_op.py::test_op[cpu-graphsim] PASSED" in run.stdout
+    assert re.search(r"test_op\.py::test_op\[cuda\] (SKIPPED|PASSED)", run.stdout), run.stdout
