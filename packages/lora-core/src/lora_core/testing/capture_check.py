@@ -37,6 +37,7 @@ import torch
 
 from .graphsim import GraphSimulator
 from .rules import Violation
+from .timing import positive_int
 
 __all__ = ["CaptureReport", "Finding", "check_capture", "transformers_forward", "main"]
 
@@ -198,13 +199,6 @@ def _load_callable(spec: str) -> Callable[[], Any]:
     return obj
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """The command line: check one callable or one transformers forward, print the report."""
     parser = argparse.ArgumentParser(
@@ -215,8 +209,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     what.add_argument("--call", metavar="MODULE:FUNCTION", help="a function taking no arguments, run under capture")
     what.add_argument("--model-config", metavar="CONFIG.json",
                       help="a transformers causal LM built from this config (random weights, no download)")
-    parser.add_argument("--tokens", type=_positive, default=8, help="sequence length of the model forward (default 8)")
-    parser.add_argument("--batch", type=_positive, default=2, help="batch size of the model forward (default 2)")
+    parser.add_argument("--tokens", type=positive_int, default=8, help="sequence length of the model forward (default 8)")
+    parser.add_argument("--batch", type=positive_int, default=2, help="batch size of the model forward (default 2)")
     parser.add_argument("--no-attention-mask", action="store_true", help="call the model without attention_mask")
     parser.add_argument("--no-warm-up", action="store_true", help="capture the first call (default: warm up first)")
     args = parser.parse_args(argv)

@@ -21,7 +21,7 @@ import torch
 from lora_core.platforms import platform_for
 
 __all__ = ["Interleaved", "Spread", "machine_info", "sync_device", "format_spread", "benchmark_parser",
-           "apply_threads"]
+           "apply_threads", "positive_int"]
 
 
 @dataclass(frozen=True)
@@ -123,7 +123,8 @@ def _rounds(text: str) -> int:
     return value
 
 
-def _threads(text: str) -> int:
+def positive_int(text: str) -> int:
+    """An ``argparse`` type: ``text`` as an int of at least 1."""
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
@@ -139,7 +140,7 @@ def benchmark_parser(prog: str, description: str, *, min_run_time: float = 1.0) 
                         help=f"seconds per variant, split over the interleaved rounds (default {min_run_time})")
     parser.add_argument("--rounds", type=_rounds, default=7, help="interleaved rounds, at least 1 (default 7)")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
-    parser.add_argument("--threads", type=_threads, default=None,
+    parser.add_argument("--threads", type=positive_int, default=None,
                         help="torch intra-op threads to time with (default: torch's, "
                              f"{torch.get_num_threads()} here); reported with the figures")
     return parser
