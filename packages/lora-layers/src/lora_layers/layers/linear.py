@@ -114,8 +114,10 @@ class LinearWithLoRA(nn.Module):
         return self.base_layer(x)
 
     def _lora(self, x: torch.Tensor, base_output: torch.Tensor) -> torch.Tensor:
-        buf = self.buffers
-        return self.context.backend.run_packed(x, buf.a, buf.b, buf.slice_offsets, base_output)
+        ctx, buf = self.context, self.buffers
+        delta_into = ctx.lora_output(base_output)
+        return ctx.add_delta(base_output, ctx.backend.run_packed(ctx.to_lora_dtype(x), buf.a, buf.b,
+                                                                 buf.slice_offsets, delta_into))
 
     def _finish(self, out: torch.Tensor) -> torch.Tensor:
         return out
