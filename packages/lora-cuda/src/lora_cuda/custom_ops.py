@@ -33,6 +33,7 @@ Ops (namespace ``lora_cuda``)::
             Tensor(a!) base_output, str kernel) -> ()
     embedding_shrink(Tensor ids, Tensor weights, SymInt batch_key, Tensor[] batch_host,
                      SymInt vocab_size, Tensor? extra_embeddings, bool strict_token_ids) -> Tensor
+    dora_scale_(Tensor(a!) output, Tensor factors, Tensor? bias, SymInt batch_key, Tensor[] batch_host) -> ()
 """
 
 from __future__ import annotations
@@ -43,14 +44,15 @@ import numpy as np
 import torch
 
 from lora_core import BatchInfo, build_batch_info
+from lora_core.dora import check_dora_scale_inputs
 from lora_core.validation import check_embedding_inputs, check_lora_a_inputs, check_lora_b_inputs, check_token_ids
 
-from .graph_kernels import check_graph_kernel, graph_embedding_shrink, graph_expand, graph_shrink
+from .graph_kernels import check_graph_kernel, graph_dora_scale, graph_embedding_shrink, graph_expand, graph_shrink
 from .graph_plans import batch_args, batch_of_key
 
-__all__ = ["OPS", "compiled_embedding_shrink", "embedding_shrink", "expand_", "shrink"]
+__all__ = ["OPS", "compiled_embedding_shrink", "dora_scale_", "embedding_shrink", "expand_", "shrink"]
 
-OPS = ("lora_cuda::shrink", "lora_cuda::expand_", "lora_cuda::embedding_shrink")
+OPS = ("lora_cuda::shrink", "lora_cuda::expand_", "lora_cuda::embedding_shrink", "lora_cuda::dora_scale_")
 """The qualified names of the custom ops."""
 
 _rebuilt = threading.local()  # the last eager batch planned from host mirrors, per thread
@@ -145,3 +147,18 @@ def compiled_embedding_shrink(ids: torch.Tensor, weights: torch.Tensor, batch_in
     key, host = batch_args(batch_info, ids, weights, *([] if extra_embeddings is None else [extra_embeddings]))
     return torch.ops.lora_cuda.embedding_shrink(ids, weights, key, host, vocab_size, extra_embeddings,
                                                 strict_token_ids)
+
+
+@torch.library.custom_op("lora_cuda::dora_scale_", mutates_args=("output",))
+def dora_scale_(output: torch.Tensor, factors: torch.Tensor, bias: torch.Tensor | None, batch_key: int,
+                batch_host: list[torch.Tensor]) -> None:
+    """``lora_cuda.dora_scale_fwd``: each row of ``output`` rescaled in place by its slot's DoRA factors."""
+    info = _batch(batch_key, batch_host, output.device)
+    check_dora_scale_inputs(output, factors, info, bias)
+    graph_dora_scale(output, factors, info, bias)
+
+
+@dora_scale_.register_fake
+def _dora_scale_fake(output, factors, bias, batch_key, batch_host):
+    if batch_key and _static(output, factors):
+        check_dora_scale_inputs(output, factors, batch_of_key(batch_key), bias)

@@ -19,10 +19,15 @@ F = TypeVar("F", bound=Callable)
 class LoRAContext:
     """The backend (which also holds the current batch and the ops' options, such as
     ``strict_token_ids``), and the slot count, max rank, dtype and device of the
-    layers' LoRA buffers: what every wrapper of one model shares."""
+    layers' LoRA buffers: what every wrapper of one model shares.
+
+    ``dora=True``: the linear layers keep a ``(num_slots, out)`` float32 buffer of DoRA
+    factors (1 for slots without DoRA) and rescale every row by its slot's factors
+    (``backend.run_dora_scale``), so DoRA adapters can be loaded (lora_core.dora). It is
+    fixed when the model is wrapped, so a captured graph always holds the rescale."""
 
     def __init__(self, backend: LoRABackend, *, num_slots: int, max_rank: int, dtype: torch.dtype,
-                 device: torch.device | str) -> None:
+                 device: torch.device | str, dora: bool = False) -> None:
         if not isinstance(backend, LoRABackend):
             raise TypeError(f"backend must be a lora_core.LoRABackend, got {type(backend).__name__}")
         self.backend = backend
@@ -30,6 +35,7 @@ class LoRAContext:
         self.max_rank = max_rank
         self.dtype = dtype
         self.device = check_device("device", device)
+        self.dora = bool(dora)
 
 
 @dataclass(frozen=True)

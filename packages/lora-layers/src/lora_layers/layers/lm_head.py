@@ -45,4 +45,4 @@ class LMHeadWithLoRA(ColumnParallelLinearWithLoRA):
             )
         buf = self.buffers
         out = self.context.backend.run_lm_head(x2, buf.a, buf.b, self._base(x2), pruned=pruned)
-        return self._finish(out).reshape(*lead, -1)
+        return self._finish(self._dora(out, pruned=pruned)).reshape(*lead, -1)
