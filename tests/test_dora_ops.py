@@ -6,8 +6,8 @@
   compiled devices compile once (``cpu-compile``: no recompile on the refill);
 * the op launches the same kernels whatever the segments and slots, and reads
   nothing on the host;
-* linear (with a bias), packed gate_up (DoRA on one slice only) and GPT-2
-  ``Conv1D`` layers with mixed ranks (0 included), garbage beyond every rank and
+* linear (with a bias), packed gate_up (DoRA on one slice only), GPT-2
+  ``Conv1D`` and embedding (PEFT's ``DoraEmbeddingLayer``, out-of-vocabulary ids) layers with mixed ranks (0 included), garbage beyond every rank and
   slot -1 rows, against the per-row DoRA math of lora_core (factors computed once
   at load: ``lora_core.dora.dora_factor``);
 * the factors follow the slots (replace, unload), and DoRA is refused where it
@@ -24,8 +24,8 @@ from lora_core import available_backends, get_backend
 from lora_core.adapters import LoRAModuleWeights
 from lora_core.dora import dora_factor, reference_dora_scale
 from lora_core.testing import (BatchPair, TOLERANCES, assert_close_to_reference, count_launches,
-                               fill_linear_garbage, make_batch_info, random_batch_pair, random_ranks)
-from lora_layers.layers import LinearWithLoRA, LoRAContext, WHOLE_MODULE
+                               fill_embedding_garbage, fill_linear_garbage, make_batch_info, random_batch_pair, random_ranks)
+from lora_layers.layers import EmbeddingWithLoRA, LinearWithLoRA, LoRAContext, WHOLE_MODULE
 from lora_layers.parallel import TensorParallel
 
 BACKENDS = available_backends()
@@ -233,6 +233,10 @@ def test_dora_is_refused_without_dora_factors_and_under_tensor_parallelism():
     tp = TensorParallel(rank=0, size=2)
     column = ColumnParallelLinearWithLoRA(nn.Linear(IN, 10), context, tp)
     row = RowParallelLinearWithLoRA(nn.Linear(IN // 2, 20), context, tp)
+    embedding = EmbeddingWithLoRA(nn.Embedding(10, 20), context, tp=tp)
+    with pytest.raises(ValueError, match=r"DoRA is not supported with tensor parallelism \(tp_size = 2\)"):
+        embedding.load_slot(0, {WHOLE_MODULE: LoRAModuleWeights("e", "embedding", torch.ones(4, 20),
+                                                                torch.ones(20, 4), 1.0, torch.ones(20))}, 1.0)
     for layer in (column, row):
         with pytest.raises(ValueError, match=r"DoRA is not supported with tensor parallelism \(tp_size = 2\)"):
             layer.load_slot(0, {WHOLE_MODULE: _module(gen, 4, 20, 1.0, True)}, 1.0)
@@ -255,3 +259,45 @@ def test_bf16_layer_is_within_the_bf16_tolerance():
     assert got.dtype == torch.bfloat16
     rtol, atol = TOLERANCES[torch.bfloat16]
     torch.testing.assert_close(got.float(), want.detach(), rtol=rtol, atol=atol * max(1.0, want.abs().max().item()))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_dora_embedding_matches_the_per_row_dora_math(device, backend):
+    gen = torch.Generator().manual_seed(8)
+    V, D, ranks, scalings = 30, 16, [3, 0, 5], [2.0, 1.0, 0.5]
+    be = get_backend(backend)(device.torch_device)
+    context = LoRAContext(be, num_slots=3, max_rank=R, dtype=torch.float32, device=device.torch_device, dora=True)
+    base = nn.Embedding(V, D)
+    with torch.no_grad():
+        base.weight.copy_(torch.randn(V, D, generator=gen))
+    layer = EmbeddingWithLoRA(base, context)
+    parts = {}
+    for slot, dora in ((0, True), (2, False)):
+        r = ranks[slot]
+        w = LoRAModuleWeights("e", "embedding", torch.randn(r, V, generator=gen), torch.randn(D, r, generator=gen) * 0.3,
+                              scalings[slot], torch.rand(D, generator=gen) + 0.5 if dora else None)
+        layer.load_slot(slot, {WHOLE_MODULE: w}, scalings[slot])
+        parts[slot] = w
+    fill_embedding_garbage(layer.buffers.a, layer.buffers.b, ranks)
+    layer.to(device.torch_device)
+    pair = BatchPair(ranks, ([4, 3, 5], [0, None, 2]), ([2, 6, 4], [2, 0, 1]), scalings=scalings)
+    ids = torch.randint(0, V, (pair.num_tokens,), generator=gen)
+    ids[[1, 7]] = torch.tensor([V + 3, -1])  # out of vocabulary: zero row
+
+    def forward(info, ids):
+        be.prepare_batch(info)
+        return layer(ids)
+
+    out_a, out_b = pair.run(device, forward, ids.to(device.torch_device))
+    for got, ref in zip((out_a, out_b), pair.reference_infos()):
+        valid = (ids >= 0) & (ids < V)
+        want = base.weight.detach()[ids.clamp(0, V - 1)] * valid[:, None]
+        for t, slot in enumerate(ref.token_slots_cpu.tolist()):
+            w = parts.get(slot)
+            if w is None or not valid[t]:
+                continue
+            row = want[t] + w.scaling * (w.lora_b @ w.lora_a[:, ids[t]])
+            if w.magnitude is not None:
+                row = dora_factor(base.weight.detach().T, w.lora_a, w.lora_b, w.scaling, w.magnitude) * row
+            want[t] = row
+        assert_close_to_reference(got, want)

@@ -12,7 +12,8 @@ The DoRA magnitudes are perturbed after PEFT initialised them (at initialisation
   devices capture batch A and replay batch B, ``cpu-compile`` compiles once;
 * tiny random Llama and GPT-2 (``Conv1D`` with a bias, PEFT's ``fan_in_fan_out``),
   DoRA on the LM head too: logits per row at the fp32 tolerance (bf16 at the bf16
-  one), greedy ``generate()`` under ``route([...])`` gives each row PEFT's tokens.
+  one), greedy ``generate()`` under ``route([...])`` gives each row PEFT's tokens;
+* DoRA on embeddings (PEFT's ``DoraEmbeddingLayer``) in the TinyDecoder and Llama adapters.
 """
 
 import copy
@@ -37,7 +38,8 @@ TINY_ADAPTERS = {  # two DoRA adapters (one on some slices of each packed projec
     "sql": dict(r=4, lora_alpha=8, use_dora=True,
                 target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]),
     "chat": dict(r=8, lora_alpha=4, target_modules=["q_proj", "v_proj", "down_proj", "embed_tokens"]),
-    "math": dict(r=6, lora_alpha=12, use_rslora=True, use_dora=True, target_modules=["k_proj", "up_proj", "o_proj"],
+    "math": dict(r=6, lora_alpha=12, use_rslora=True, use_dora=True,
+                 target_modules=["k_proj", "up_proj", "o_proj", "embed_tokens"],
                  rank_pattern={"o_proj": 2}),
 }
 BATCH_A = ([5, 5, 5, 5, 5], ["sql", None, "chat", "math", "sql"])
@@ -47,7 +49,8 @@ SMALL = dict(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, 
              pad_token_id=0, bos_token_id=1, eos_token_id=None)
 HF_ADAPTERS = {
     "llama": {
-        "sql": dict(r=8, lora_alpha=16, use_dora=True, target_modules=["q_proj", "v_proj", "o_proj", "down_proj", "lm_head"]),
+        "sql": dict(r=8, lora_alpha=16, use_dora=True,
+                    target_modules=["q_proj", "v_proj", "o_proj", "down_proj", "embed_tokens", "lm_head"]),
         "chat": dict(r=4, lora_alpha=8, target_modules=["q_proj", "gate_proj", "up_proj", "embed_tokens"]),
         "math": dict(r=4, lora_alpha=8, use_rslora=True, use_dora=True, target_modules=["k_proj", "up_proj"]),
     },

@@ -71,10 +71,6 @@ def _write(tmp_path, config=None, tensors=None):
         ({"use_dora": True}, {"base_model.model.fc.lora_A.weight": torch.ones(2, 3), "base_model.model.fc.lora_B.weight": torch.ones(4, 2), "base_model.model.fc.lora_magnitude_vector": torch.ones(4),
                               "base_model.model.up.lora_magnitude_vector": torch.ones(4)}, AdapterFormatError,
          "magnitude vector for module 'up', which has no LoRA weights"),
-        ({"use_dora": True}, {"base_model.model.emb.lora_embedding_A": torch.ones(2, 5),
-                              "base_model.model.emb.lora_embedding_B": torch.ones(3, 2),
-                              "base_model.model.emb.lora_magnitude_vector": torch.ones(3)}, AdapterFormatError,
-         r"DoRA on an embedding \(module 'emb'\) is not supported"),
         ({"lora_bias": True}, None, AdapterFormatError, "LoRA bias"),
         ({"peft_type": "IA3"}, None, AdapterFormatError, "peft_type 'IA3' is not supported"),
         ({"modules_to_save": ["lm_head"]}, None, AdapterFormatError, "modules_to_save"),
@@ -126,6 +122,10 @@ def test_a_dora_adapter_loads_each_modules_magnitude(tmp_path):
     path = _write(tmp_path, {"use_dora": True},
                   {"base_model.model.fc.lora_A.weight": torch.ones(2, 3),
                    "base_model.model.fc.lora_B.weight": torch.ones(4, 2),
-                   "base_model.model.fc.lora_magnitude_vector": magnitude})
+                   "base_model.model.fc.lora_magnitude_vector": magnitude,
+                   "base_model.model.emb.lora_embedding_A": torch.ones(2, 5),
+                   "base_model.model.emb.lora_embedding_B": torch.ones(3, 2),
+                   "base_model.model.emb.lora_magnitude_vector": magnitude[:3].clone()})
     adapter = load_peft_adapter(path)
     assert adapter.use_dora and torch.equal(adapter.modules["fc"].magnitude, magnitude)
+    assert torch.equal(adapter.modules["emb"].magnitude, magnitude[:3])  # (D,): one per embedding dimension

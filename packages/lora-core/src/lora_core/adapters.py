@@ -7,10 +7,10 @@ layers and ``...<module>.lora_embedding_A`` / ``lora_embedding_B`` for embedding
 
 Scaling follows PEFT: ``lora_alpha / r``, or ``lora_alpha / sqrt(r)`` with
 ``use_rslora``, where ``rank_pattern`` / ``alpha_pattern`` override ``r`` and
-``lora_alpha`` per module. A DoRA adapter (``use_dora``) also holds each linear
-module's ``...<module>.lora_magnitude_vector`` ``(out,)`` (:mod:`lora_core.dora`);
-DoRA on an embedding is refused. Anything else the math here does not cover (LoRA
-bias, ``modules_to_save``, other PEFT types) is rejected with a clear error.
+``lora_alpha`` per module. A DoRA adapter (``use_dora``) also holds each module's
+``...<module>.lora_magnitude_vector`` (``(out,)``, an embedding's ``(D,)``;
+:mod:`lora_core.dora`). Anything else the math here does not cover (LoRA bias,
+``modules_to_save``, other PEFT types) is rejected with a clear error.
 """
 
 from __future__ import annotations
@@ -279,7 +279,7 @@ def load_peft_adapter(path: str | Path) -> PeftAdapter:
 def _check_magnitudes(path: Path, use_dora: bool, pairs: dict, kinds: dict[str, str],
                       magnitudes: dict[str, torch.Tensor]) -> None:
     """DoRA: every module of a ``use_dora`` adapter has a magnitude vector ``(out,)`` (its
-    ``lora_B``'s rows), no other adapter has one, and no embedding has one (refused)."""
+    ``lora_B``'s rows) and no other adapter has one."""
     if not use_dora:
         if magnitudes:
             raise AdapterFormatError(f"{path}: DoRA magnitude vectors ({', '.join(sorted(magnitudes))}) in an "
@@ -288,9 +288,6 @@ def _check_magnitudes(path: Path, use_dora: bool, pairs: dict, kinds: dict[str, 
     for module in sorted(set(magnitudes) - set(pairs)):
         raise AdapterFormatError(f"{path}: DoRA magnitude vector for module {module!r}, which has no LoRA weights")
     for module in sorted(pairs):
-        if kinds[module] == "embedding":
-            raise AdapterFormatError(f"{path}: DoRA on an embedding (module {module!r}) is not supported; "
-                                     "DoRA is served on linear and Conv1D layers")
         m, b = magnitudes.get(module), pairs[module].get("b")
         if m is None:
             raise AdapterFormatError(f"{path}: module {module!r} of a DoRA adapter (use_dora) has no "

@@ -12,7 +12,7 @@ from lora_core.dora import dora_factor
 
 from ..parallel import TensorParallel
 from .context import LoRAContext, WrapTarget, flatten_tokens, inference_forward
-from .slot_weights import WHOLE_MODULE, ModuleParts, folded_b
+from .slot_weights import WHOLE_MODULE, ModuleParts, check_dora_parts, folded_b
 
 __all__ = ["LinearWithLoRA", "SliceWeights"]
 
@@ -125,15 +125,10 @@ class LinearWithLoRA(nn.Module):
     def _load_dora(self, slot: int, parts: ModuleParts) -> None:
         """``slot``'s DoRA factors, computed once here (lora_core.dora.dora_factor): each part
         with a magnitude vector sets its output rows; other rows keep factor 1."""
-        dora = {i: w for i, w in parts.items() if w.magnitude is not None}
+        check_dora_parts(parts, self.dora_factors, self.tp.size)
         if self.dora_factors is None:
-            if dora:
-                raise ValueError("a DoRA adapter (use_dora) needs the layers built with DoRA factors: "
-                                 "MultiLoRA(..., dora=True) (from_adapters sets it when an adapter uses DoRA)")
             return
-        if dora and self.tp.size > 1:
-            raise ValueError(f"DoRA is not supported with tensor parallelism (tp_size = {self.tp.size}): its "
-                             "norm is over the full weight's rows")
+        dora = {i: w for i, w in parts.items() if w.magnitude is not None}
         factors = torch.ones_like(self.dora_factors[slot])
         offsets = slice_offsets_from_widths(self.unsharded_slice_widths)
         weight = self._base_weight()
