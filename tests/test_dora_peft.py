@@ -266,3 +266,27 @@ def test_graph_mode_replays_the_eager_dora_logits(served):
     rtol, atol = TOLERANCES[torch.float32]
     torch.testing.assert_close(out_a, want[0], rtol=rtol, atol=atol)
     torch.testing.assert_close(out_b, want[1], rtol=rtol, atol=atol)
+
+
+def test_the_refusal_table_of_docs_transformers_md_is_the_loaders(tmp_path):
+    """Every field the docs' "What is refused" table names is refused by the loader, naming it, and
+    DoRA (served) is not in the table."""
+    import json
+    import re
+    from pathlib import Path
+
+    from lora_core import AdapterFormatError, load_peft_adapter
+    from safetensors.torch import save_file
+
+    doc = (Path(__file__).parent.parent / "docs" / "transformers.md").read_text()
+    table = doc.split("## What is refused", 1)[1].split("\n\n", 2)[2].split("\n\n", 1)[0]
+    fields = [re.findall(r"`([a-z_]+)`", line.split("|")[1]) for line in table.splitlines()[2:]]
+    assert fields and not any("use_dora" in f for f in fields)
+    values = {"peft_type": "IA3", "bias": "all", "layer_replication": [[0, 1]]}
+    save_file({"base_model.model.fc.lora_A.weight": torch.ones(2, 3),
+               "base_model.model.fc.lora_B.weight": torch.ones(4, 2)}, str(tmp_path / "adapter_model.safetensors"))
+    for field in (f for row in fields for f in row if f not in ("LORA", "none")):
+        config = {"peft_type": "LORA", "r": 2, "lora_alpha": 4, field: values.get(field, ["x"])}
+        (tmp_path / "adapter_config.json").write_text(json.dumps(config))
+        with pytest.raises(AdapterFormatError, match=field):
+            load_peft_adapter(tmp_path)
