@@ -290,3 +290,11 @@ def test_the_refusal_table_of_docs_transformers_md_is_the_loaders(tmp_path):
         (tmp_path / "adapter_config.json").write_text(json.dumps(config))
         with pytest.raises(AdapterFormatError, match=field):
             load_peft_adapter(tmp_path)
+
+
+def test_lora_sim_refuses_a_dora_adapter_by_name(tiny, capsys):
+    from lora_layers.sim import cli
+
+    _, _, adapter_dir = tiny
+    assert cli.main([f"--adapter=sql={adapter_dir / 'sql'}", "--device", "cpu"]) == 2
+    assert "is a DoRA adapter (use_dora); lora-sim serves plain LoRA adapters only" in capsys.readouterr().err

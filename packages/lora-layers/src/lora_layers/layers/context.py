@@ -21,8 +21,8 @@ class LoRAContext:
     ``strict_token_ids``), and the slot count, max rank, dtype and device of the
     layers' LoRA buffers: what every wrapper of one model shares.
 
-    ``dora=True``: the linear layers keep a ``(num_slots, out)`` float32 buffer of DoRA
-    factors (1 for slots without DoRA) and rescale every row by its slot's factors
+    ``dora=True``: the linear, Conv1D, LM-head and embedding layers keep a
+    ``(num_slots, out)`` float32 buffer of DoRA factors (1 for slots without DoRA) and rescale every row by its slot's factors
     (``backend.run_dora_scale``), so DoRA adapters can be loaded (lora_core.dora). It is
     fixed when the model is wrapped, so a captured graph always holds the rescale."""
 

@@ -109,8 +109,10 @@ class LinearWithLoRA(nn.Module):
         else:
             slices = [(parts[i].lora_a, folded_b(parts[i], slot_scaling)) if i in parts else None
                       for i in range(self.num_slices)]
-        self._load_dora(slot, parts)
+        factors = self._dora_factors_of(parts)  # checked before anything is written
         self.set_lora(slot, slices)
+        if factors is not None:
+            self.dora_factors[slot] = factors
 
     def reset_lora(self, slot: int) -> None:
         """Zero ``slot``'s weights (the adapter in it is unloaded)."""
@@ -122,20 +124,21 @@ class LinearWithLoRA(nn.Module):
         """The base layer's weight as ``(out, in)`` (what DoRA's norm is taken over)."""
         return self.base_layer.weight
 
-    def _load_dora(self, slot: int, parts: ModuleParts) -> None:
-        """``slot``'s DoRA factors, computed once here (lora_core.dora.dora_factor): each part
-        with a magnitude vector sets its output rows; other rows keep factor 1."""
+    def _dora_factors_of(self, parts: ModuleParts) -> torch.Tensor | None:
+        """An adapter's ``(out,)`` DoRA factors for this layer, computed once, at load
+        (lora_core.dora.dora_factor): each part with a magnitude vector sets its output
+        rows, other rows get 1. ``None`` for a layer without DoRA factors."""
         check_dora_parts(parts, self.dora_factors, self.tp.size)
         if self.dora_factors is None:
-            return
+            return None
         dora = {i: w for i, w in parts.items() if w.magnitude is not None}
-        factors = torch.ones_like(self.dora_factors[slot])
+        factors = torch.ones_like(self.dora_factors[0])
         offsets = slice_offsets_from_widths(self.unsharded_slice_widths)
         weight = self._base_weight()
         for i, w in dora.items():
             lo, hi = (0, offsets[-1]) if i == WHOLE_MODULE else (offsets[i], offsets[i + 1])
             factors[lo:hi] = dora_factor(weight[lo:hi], w.lora_a, w.lora_b, w.scaling, w.magnitude)
-        self.dora_factors[slot] = factors
+        return factors
 
     def _base(self, x: torch.Tensor) -> torch.Tensor:
         return self.base_layer(x)
