@@ -298,3 +298,31 @@ def test_lora_sim_refuses_a_dora_adapter_by_name(tiny, capsys):
     _, _, adapter_dir = tiny
     assert cli.main([f"--adapter=sql={adapter_dir / 'sql'}", "--device", "cpu"]) == 2
     assert "is a DoRA adapter (use_dora); lora-sim serves plain LoRA adapters only" in capsys.readouterr().err
+
+
+def test_a_captured_step_serves_a_dora_adapter_replaced_after_the_capture(tiny):
+    """The factors live in fixed buffers rewritten in place at load: a graph captured with one
+    DoRA adapter in slot 0 replays another loaded into that slot (and a new batch) correctly."""
+    from lora_core.testing import make_device
+
+    base, peft_model, adapter_dir = tiny
+    model = copy.deepcopy(base)
+    mlora = MultiLoRA(model, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                              "embed_tokens", "lm_head"], max_loras=2, max_rank=8, dora=True)
+    mlora.load_adapter("a", adapter_dir / "sql")
+    mlora.load_adapter("b", adapter_dir / "chat")
+    T = sum(BATCH_A[0])
+    ids = torch.randint(0, TINY.vocab_size, (T,), generator=torch.Generator().manual_seed(6))
+    mlora.enable_graph(T)
+    mlora.set_batch([10, 5, 10], ["a", None, "b"])
+
+    def replace():
+        mlora.load_adapter("a", adapter_dir / "math", replace=True)  # slot 0: other DoRA factors
+        mlora.set_batch([5, 10, 10], ["b", "a", None])
+
+    out_a, out_b = make_device("cpu-graphsim").run_two_batches(model, [ids], replace)
+    rtol, atol = TOLERANCES[torch.float32]
+    for out, (seq_lens, names) in [(out_a, ([10, 5, 10], ["sql", None, "chat"])),
+                                   (out_b, ([5, 10, 10], ["chat", "math", None]))]:
+        want = torch.cat([o[0] for o in _peft_rows(peft_model, [r[None] for r in torch.split(ids, seq_lens)], names)])
+        torch.testing.assert_close(out, want, rtol=rtol, atol=atol)
