@@ -118,7 +118,6 @@ def test_an_activated_lora_is_refused_not_applied_to_every_token(tmp_path, capsy
 
 
 @pytest.mark.parametrize(("config", "feature"), [
-    (dict(use_dora=True), "use_dora"),
     (dict(bias="lora_only"), "bias = 'lora_only'"),
     (dict(bias="all"), "bias = 'all'"),
     (dict(modules_to_save=["lm_head"]), "modules_to_save"),

@@ -64,7 +64,13 @@ def _write(tmp_path, config=None, tensors=None):
 @pytest.mark.parametrize(
     ("config", "tensors", "error", "match"),
     [
-        ({"use_dora": True}, None, AdapterFormatError, r"DoRA \(use_dora\) is not supported"),
+        ({"use_dora": True}, None, AdapterFormatError, "module 'fc' of a DoRA adapter .* has no lora_magnitude_vector"),
+        ({"use_dora": "yes"}, None, AdapterFormatError, "use_dora must be true or false"),
+        ({"use_dora": True}, {"base_model.model.fc.lora_A.weight": torch.ones(2, 3), "base_model.model.fc.lora_B.weight": torch.ones(4, 2), "base_model.model.fc.lora_magnitude_vector": torch.ones(3)}, AdapterFormatError,
+         r"lora_magnitude_vector of shape \(3,\); expected \(4,\)"),
+        ({"use_dora": True}, {"base_model.model.fc.lora_A.weight": torch.ones(2, 3), "base_model.model.fc.lora_B.weight": torch.ones(4, 2), "base_model.model.fc.lora_magnitude_vector": torch.ones(4),
+                              "base_model.model.up.lora_magnitude_vector": torch.ones(4)}, AdapterFormatError,
+         "magnitude vector for module 'up', which has no LoRA weights"),
         ({"lora_bias": True}, None, AdapterFormatError, "LoRA bias"),
         ({"peft_type": "IA3"}, None, AdapterFormatError, "peft_type 'IA3' is not supported"),
         ({"modules_to_save": ["lm_head"]}, None, AdapterFormatError, "modules_to_save"),
@@ -73,7 +79,8 @@ def _write(tmp_path, config=None, tensors=None):
         ({}, {"base_model.model.fc.lora_A.weight": torch.ones(2, 3)}, AdapterFormatError, "has no LoRA B weight"),
         ({}, {"base_model.model.fc.lora_A.weight": torch.ones(2, 3),
               "base_model.model.fc.lora_B.weight": torch.ones(4, 3)}, AdapterFormatError, "expected A"),
-        ({}, {"base_model.model.fc.lora_magnitude_vector": torch.ones(4)}, AdapterFormatError, "unsupported tensor"),
+        ({}, {"base_model.model.fc.lora_A.weight": torch.ones(2, 3), "base_model.model.fc.lora_B.weight": torch.ones(4, 2), "base_model.model.fc.lora_magnitude_vector": torch.ones(4)}, AdapterFormatError,
+         "DoRA magnitude vectors \\(fc\\) in an adapter whose adapter_config.json does not set use_dora"),
     ],
 )
 def test_malformed_or_unsupported_adapters_are_rejected(tmp_path, config, tensors, error, match):
@@ -108,3 +115,17 @@ def test_base_weights_saved_with_the_adapter_are_ignored_with_a_warning(tmp_path
     with pytest.warns(UserWarning, match="ignoring base-model weights saved with the adapter: .*lm_head.weight"):
         adapter = load_peft_adapter(tmp_path)
     assert list(adapter.modules) == ["fc"]
+
+
+def test_a_dora_adapter_loads_each_modules_magnitude(tmp_path):
+    magnitude = torch.arange(1.0, 5.0)
+    path = _write(tmp_path, {"use_dora": True},
+                  {"base_model.model.fc.lora_A.weight": torch.ones(2, 3),
+                   "base_model.model.fc.lora_B.weight": torch.ones(4, 2),
+                   "base_model.model.fc.lora_magnitude_vector": magnitude,
+                   "base_model.model.emb.lora_embedding_A": torch.ones(2, 5),
+                   "base_model.model.emb.lora_embedding_B": torch.ones(3, 2),
+                   "base_model.model.emb.lora_magnitude_vector": magnitude[:3].clone()})
+    adapter = load_peft_adapter(path)
+    assert adapter.use_dora and torch.equal(adapter.modules["fc"].magnitude, magnitude)
+    assert torch.equal(adapter.modules["emb"].magnitude, magnitude[:3])  # (D,): one per embedding dimension

@@ -235,6 +235,8 @@ def _opcheck_args(dtype=torch.float32):
                                (shrunk[:29], b, 0, host, list(offsets), base[:29].clone(), "auto")],
         "lora_cuda::embedding_shrink": [(ids.clamp(0, V - 1), emb_a, key, [], V, None, False),
                                         (ids[:29].clamp(0, V - 1), emb_a, 0, host, V, None, True)],
+        "lora_cuda::dora_scale_": [(base.clone(), torch.rand(L, base.shape[1]) + 0.5, base[0].clone(), key, []),
+                                   (base[:29].clone(), torch.rand(L, base.shape[1]) + 0.5, None, 0, host)],
     }, info
 
 

@@ -7,6 +7,7 @@ from typing import Sequence
 import torch
 
 from lora_core import BatchInfo, BatchInfoBackend, BatchPlan
+from lora_cuda.dora_ops import dora_scale_fwd
 from lora_cuda.graph_ops import check_graph_kernel, graph_plan_types
 
 from .embedding import vectorized_lora_a_embedding_fwd
@@ -48,3 +49,6 @@ class AscendBackend(BatchInfoBackend):
     def embedding_shrink(self, ids, weights, batch_info, vocab_size, extra_embeddings) -> torch.Tensor:
         return vectorized_lora_a_embedding_fwd(ids, weights, batch_info, vocab_size, extra_embeddings,
                                                strict_token_ids=self.strict_token_ids)
+
+    def dora_scale(self, output, factors, batch_info, bias) -> torch.Tensor:
+        return dora_scale_fwd(output, factors, batch_info, bias)  # graph-safe: a fixed set of launches

@@ -7,8 +7,10 @@ layers and ``...<module>.lora_embedding_A`` / ``lora_embedding_B`` for embedding
 
 Scaling follows PEFT: ``lora_alpha / r``, or ``lora_alpha / sqrt(r)`` with
 ``use_rslora``, where ``rank_pattern`` / ``alpha_pattern`` override ``r`` and
-``lora_alpha`` per module. Anything the math here does not cover (DoRA, LoRA
-bias, ``modules_to_save``, other PEFT types) is rejected with a clear error.
+``lora_alpha`` per module. A DoRA adapter (``use_dora``) also holds each module's
+``...<module>.lora_magnitude_vector`` (``(out,)``, an embedding's ``(D,)``;
+:mod:`lora_core.dora`). Anything else the math here does not cover (LoRA bias,
+``modules_to_save``, other PEFT types) is rejected with a clear error.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ _SUFFIXES = {
     ".lora_embedding_A": ("embedding", "a"),
     ".lora_embedding_B": ("embedding", "b"),
 }
+_MAGNITUDE = ".lora_magnitude_vector"  # DoRA's magnitude vector (out,), PEFT's key without ".weight"
 
 
 class AdapterFormatError(ValueError):
@@ -48,6 +51,7 @@ class LoRAModuleWeights:
 
     Linear: ``lora_a (r, in)``, ``lora_b (out, r)``.
     Embedding: ``lora_a (r, V)``, ``lora_b (D, r)``.
+    ``magnitude``: DoRA's ``lora_magnitude_vector (out,)`` of a ``use_dora`` adapter, else ``None``.
     """
 
     name: str
@@ -55,6 +59,7 @@ class LoRAModuleWeights:
     lora_a: torch.Tensor
     lora_b: torch.Tensor
     scaling: float
+    magnitude: torch.Tensor | None = None
 
     @property
     def rank(self) -> int:
@@ -77,6 +82,10 @@ class PeftAdapter:
     @property
     def use_rslora(self) -> bool:
         return bool(self.config.get("use_rslora", False))
+
+    @property
+    def use_dora(self) -> bool:
+        return bool(self.config.get("use_dora", False))
 
 
 def _pattern_value(patterns: dict, module: str, default):
@@ -116,7 +125,6 @@ def _read_config(path: Path) -> dict:
     if str(peft_type).upper() != "LORA":
         raise AdapterFormatError(f"{config_path}: peft_type {peft_type!r} is not supported (only LORA)")
     unsupported = {
-        "use_dora": "DoRA (use_dora)",
         "lora_bias": "LoRA bias (lora_bias)",
         "modules_to_save": "fully trained modules (modules_to_save)",
         "trainable_token_indices": "trainable tokens (trainable_token_indices)",
@@ -138,9 +146,10 @@ def _read_config(path: Path) -> dict:
         value = config.get(key)
         if not _is_positive_number(value):
             raise AdapterFormatError(f"{config_path}: {key} must be a positive number (finite), got {value!r}")
-    use_rslora = config.get("use_rslora", False)
-    if use_rslora is not None and not isinstance(use_rslora, bool):
-        raise AdapterFormatError(f"{config_path}: use_rslora must be true or false, got {use_rslora!r}")
+    for key in ("use_rslora", "use_dora"):
+        flag = config.get(key, False)
+        if flag is not None and not isinstance(flag, bool):
+            raise AdapterFormatError(f"{config_path}: {key} must be true or false, got {flag!r}")
     for key in ("rank_pattern", "alpha_pattern"):
         patterns = config.get(key) or {}
         if not isinstance(patterns, dict):
@@ -190,6 +199,7 @@ def load_peft_adapter(path: str | Path) -> PeftAdapter:
 
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     kinds: dict[str, str] = {}
+    magnitudes: dict[str, torch.Tensor] = {}
     base_weights = sorted(k for k in tensors if k.endswith(".weight") and "lora_" not in k)
     if base_weights:
         # PEFT's save_embedding_layers stores full embedding / LM-head weights next to the
@@ -198,6 +208,10 @@ def load_peft_adapter(path: str | Path) -> PeftAdapter:
                       stacklevel=2)
     for key, tensor in tensors.items():
         if key in base_weights:
+            continue
+        if key.endswith(_MAGNITUDE):
+            module = key[: -len(_MAGNITUDE)]
+            magnitudes[module[len(_PREFIX):] if module.startswith(_PREFIX) else module] = tensor
             continue
         for suffix, (kind, side) in _SUFFIXES.items():
             if key.endswith(suffix):
@@ -222,6 +236,7 @@ def load_peft_adapter(path: str | Path) -> PeftAdapter:
     if not pairs:
         raise AdapterFormatError(f"{path}: the adapter holds no LoRA weights")
 
+    _check_magnitudes(path, bool(config.get("use_dora", False)), pairs, kinds, magnitudes)
     use_rslora = bool(config.get("use_rslora", False))
     rank_pattern = config.get("rank_pattern") or {}
     alpha_pattern = config.get("alpha_pattern") or {}
@@ -256,8 +271,30 @@ def load_peft_adapter(path: str | Path) -> PeftAdapter:
             lora_a=a,
             lora_b=b,
             scaling=scaling,
+            magnitude=magnitudes.get(module),
         )
     return PeftAdapter(path=path, config=config, modules=modules)
+
+
+def _check_magnitudes(path: Path, use_dora: bool, pairs: dict, kinds: dict[str, str],
+                      magnitudes: dict[str, torch.Tensor]) -> None:
+    """DoRA: every module of a ``use_dora`` adapter has a magnitude vector ``(out,)`` (its
+    ``lora_B``'s rows) and no other adapter has one."""
+    if not use_dora:
+        if magnitudes:
+            raise AdapterFormatError(f"{path}: DoRA magnitude vectors ({', '.join(sorted(magnitudes))}) in an "
+                                     "adapter whose adapter_config.json does not set use_dora")
+        return
+    for module in sorted(set(magnitudes) - set(pairs)):
+        raise AdapterFormatError(f"{path}: DoRA magnitude vector for module {module!r}, which has no LoRA weights")
+    for module in sorted(pairs):
+        m, b = magnitudes.get(module), pairs[module].get("b")
+        if m is None:
+            raise AdapterFormatError(f"{path}: module {module!r} of a DoRA adapter (use_dora) has no "
+                                     "lora_magnitude_vector")
+        if b is not None and (m.shape != (b.shape[0],) or not m.is_floating_point()):
+            raise AdapterFormatError(f"{path}: module {module!r} has a lora_magnitude_vector of shape "
+                                     f"{tuple(m.shape)}; expected ({b.shape[0]},), one per output feature")
 
 
 def save_peft_adapter(

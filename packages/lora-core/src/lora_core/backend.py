@@ -192,6 +192,28 @@ class LoRABackend(abc.ABC):
             run_lora_b(run_lora_a(x, a_weights, c), b_weights, slice_offsets, base_output)
         """
 
+    @abc.abstractmethod
+    def run_dora_scale(
+        self,
+        output: torch.Tensor,
+        factors: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        *,
+        pruned: bool = False,
+    ) -> torch.Tensor:
+        """DoRA's per-row rescale (lora_core.dora): ``output (T, out)`` (base output plus the
+        LoRA delta) updated in place and returned; ``factors (L, out)`` float32, each slot's
+        ``m / ||W + s B A||`` per output feature (1 for a slot without DoRA); ``bias (out,)``
+        the base layer's bias. ``T`` is every token, or with ``pruned`` the LM-head rows
+        (``batch_info.lm_head_view(pruned)``).
+
+        Semantics::
+
+            for t in rows:
+                if slot_t >= 0:
+                    output[t] = factors[slot_t] * (output[t] - bias) + bias    # bias = 0 when None
+        """
+
 
 def _backend_entry_points() -> dict:
     return {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
@@ -220,8 +242,8 @@ class BatchInfoBackend(LoRABackend):
     Holds the current batch and builds the kernels' plans in :meth:`prepare_batch`;
     implements every ``run_*`` method, the packed projections (any number of slices)
     and the LM head as a shrink followed by an expand, and the added-token rows.
-    Subclasses implement :meth:`plan_types`, :meth:`shrink`, :meth:`expand` and
-    :meth:`embedding_shrink` (still abstract here).
+    Subclasses implement :meth:`plan_types`, :meth:`shrink`, :meth:`expand`,
+    :meth:`embedding_shrink` and :meth:`dora_scale` (still abstract here).
 
     Args:
         device: where batches and weights live.
@@ -269,6 +291,11 @@ class BatchInfoBackend(LoRABackend):
                          extra_embeddings: torch.Tensor | None) -> torch.Tensor:
         """:meth:`run_lora_a_embedding` for an explicit batch."""
 
+    @abc.abstractmethod
+    def dora_scale(self, output: torch.Tensor, factors: torch.Tensor, batch_info: BatchInfo,
+                   bias: torch.Tensor | None) -> torch.Tensor:
+        """:meth:`run_dora_scale` for an explicit batch."""
+
     def init_graph_batch_info(
         self, max_tokens: int, lora_ranks: Sequence[int], scalings: Sequence[float]
     ) -> BatchInfo:
@@ -304,3 +331,6 @@ class BatchInfoBackend(LoRABackend):
         offsets = normalize_slice_offsets(slice_offsets)  # the slice count comes from the call's offsets
         shrunk = self.shrink(x, a_weights, self.batch_info, len(offsets) - 1)
         return self.expand(shrunk, b_weights, self.batch_info, offsets, base_output)
+
+    def run_dora_scale(self, output, factors, bias=None, *, pruned: bool = False) -> torch.Tensor:
+        return self.dora_scale(output, factors, self.batch_info.lm_head_view(pruned), bias)

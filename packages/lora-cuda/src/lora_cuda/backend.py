@@ -9,6 +9,7 @@ import torch
 from lora_core import BatchInfo, BatchInfoBackend, BatchPlan
 
 from .control_plan import ControlPlan
+from .dora_ops import dora_scale_fwd
 from .graph_ops import check_graph_kernel, graph_plan_types
 from .ops import sgemm_lora_a_embedding_fwd, sgemm_lora_a_fwd, sgemm_lora_b_fwd
 
@@ -47,3 +48,6 @@ class TorchNativeBackend(BatchInfoBackend):
     def embedding_shrink(self, ids, weights, batch_info, vocab_size, extra_embeddings) -> torch.Tensor:
         return sgemm_lora_a_embedding_fwd(ids, weights, batch_info, vocab_size, extra_embeddings,
                                           strict_token_ids=self.strict_token_ids)
+
+    def dora_scale(self, output, factors, batch_info, bias) -> torch.Tensor:
+        return dora_scale_fwd(output, factors, batch_info, bias)  # one gather for eager and graph batches

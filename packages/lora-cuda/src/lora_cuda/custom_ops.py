@@ -34,7 +34,7 @@ ops have no backward (:func:`~lora_cuda.graph_plans.batch_args` refuses inputs
 that require grad) and run under ``no_grad``/``inference_mode``, so neither
 wrapper did anything they need. docs/compile.md has the figures.
 
-Ops (namespace ``lora_cuda``): ``shrink``, ``expand_`` and ``embedding_shrink``, with the
+Ops (namespace ``lora_cuda``): ``shrink``, ``expand_``, ``embedding_shrink`` and ``dora_scale_``, with the
 schemas of ``_SCHEMAS`` (docs/compile.md lists them).
 """
 
@@ -47,12 +47,13 @@ import numpy as np
 import torch
 
 from lora_core import BatchInfo, build_batch_info
+from lora_core.dora import check_dora_scale_inputs
 from lora_core.validation import check_embedding_inputs, check_lora_a_inputs, check_lora_b_inputs, check_token_ids
 
-from .graph_kernels import check_graph_kernel, graph_embedding_shrink, graph_expand, graph_shrink
+from .graph_kernels import check_graph_kernel, graph_dora_scale, graph_embedding_shrink, graph_expand, graph_shrink
 from .graph_plans import batch_args, batch_of_key
 
-__all__ = ["OPS", "compiled_embedding_shrink", "embedding_shrink", "expand_", "shrink"]
+__all__ = ["OPS", "compiled_embedding_shrink", "dora_scale_", "embedding_shrink", "expand_", "shrink"]
 
 _LIB = torch.library.Library("lora_cuda", "DEF")
 _SCHEMAS = {
@@ -62,6 +63,7 @@ _SCHEMAS = {
                " Tensor(a!) base_output, str kernel) -> ()",
     "embedding_shrink": "(Tensor ids, Tensor weights, SymInt batch_key, Tensor[] batch_host, SymInt vocab_size,"
                         " Tensor? extra_embeddings, bool strict_token_ids) -> Tensor",
+    "dora_scale_": "(Tensor(a!) output, Tensor factors, Tensor? bias, SymInt batch_key, Tensor[] batch_host) -> ()",
 }
 for _name, _schema in _SCHEMAS.items():
     _LIB.define(_name + _schema)
@@ -168,3 +170,17 @@ def compiled_embedding_shrink(ids: torch.Tensor, weights: torch.Tensor, batch_in
     key, host = batch_args(batch_info, ids, weights, *([] if extra_embeddings is None else [extra_embeddings]))
     return torch.ops.lora_cuda.embedding_shrink(ids, weights, key, host, vocab_size, extra_embeddings,
                                                 strict_token_ids)
+
+
+def _dora_scale_fake(output, factors, bias, batch_key, batch_host):
+    if batch_key and _static(output, factors):
+        check_dora_scale_inputs(output, factors, batch_of_key(batch_key), bias)
+
+
+@_register("dora_scale_", _dora_scale_fake)
+def dora_scale_(output: torch.Tensor, factors: torch.Tensor, bias: torch.Tensor | None, batch_key: int,
+                batch_host: list[torch.Tensor]) -> None:
+    """``lora_cuda.dora_scale_fwd``: each row of ``output`` rescaled in place by its slot's DoRA factors."""
+    info = _batch(batch_key, batch_host, output.device)
+    check_dora_scale_inputs(output, factors, info, bias)
+    graph_dora_scale(output, factors, info, bias)

@@ -173,3 +173,18 @@ def graph_embedding_shrink(ids: torch.Tensor, weights: torch.Tensor, batch_info:
     in_rank = torch.arange(R, device=ids.device)[None, :] < batch_info.lora_ranks.index_select(0, safe_slots)[:, None]
     scaled = picked * batch_info.scalings.index_select(0, safe_slots)[:, None]
     return torch.where(valid[:, None] & in_rank, scaled, 0).to(weights.dtype)
+
+
+def graph_dora_scale(output: torch.Tensor, factors: torch.Tensor, batch_info: BatchInfo,
+                     bias: torch.Tensor | None) -> torch.Tensor:
+    """DoRA's per-row rescale, in place: ``output (T, out)``, ``factors (L, out)`` float32,
+    ``bias (out,)`` or ``None``; semantics of ``LoRABackend.run_dora_scale``.
+
+    One gather of each row's factor row (keyed by ``token_slots``; slot -1 reads factor 1)
+    and one in-place add of ``(f - 1) * (output - bias)`` computed in float32, so a row whose
+    factor is 1 (slot -1, a slot without DoRA) is left exactly as it was."""
+    slots = batch_info.token_slots[: output.shape[0]]
+    picked = factors.index_select(0, slots.clamp(min=0).long())  # (T, out)
+    excess = torch.where(slots[:, None] >= 0, picked - 1, 0)
+    unbiased = output.float() if bias is None else output.float() - bias.float()
+    return output.add_((excess * unbiased).to(output.dtype))

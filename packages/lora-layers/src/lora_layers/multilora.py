@@ -55,7 +55,7 @@ def _placement(model: nn.Module, device: torch.device | str | None,
 
 
 def _build_context(backend: str | LoRABackend, *, max_loras: int, max_rank: int, device: torch.device,
-                   lora_dtype: torch.dtype, strict_token_ids: bool) -> LoRAContext:
+                   lora_dtype: torch.dtype, strict_token_ids: bool, dora: bool = False) -> LoRAContext:
     """The wrappers' shared context: the backend (built on ``device`` by name, or the
     instance given, which must run there) and the LoRA buffers' shape, dtype, device."""
     if isinstance(backend, str):
@@ -71,7 +71,8 @@ def _build_context(backend: str | LoRABackend, *, max_loras: int, max_rank: int,
                                              and backend_device.index != device.index):
         raise ValueError(f"backend runs on {backend_device} but the model's LoRA buffers live on {device}; "
                          f"build the backend with device={str(device)!r}")
-    return LoRAContext(backend_obj, num_slots=max_loras, max_rank=max_rank, dtype=lora_dtype, device=device)
+    return LoRAContext(backend_obj, num_slots=max_loras, max_rank=max_rank, dtype=lora_dtype, device=device,
+                       dora=dora)
 
 
 class MultiLoRA:
@@ -111,6 +112,10 @@ class MultiLoRA:
         eviction: what :meth:`load_adapter` does when every slot is taken: ``None``
             (default) raises; ``"lru"`` unloads the adapter used least recently by a
             batch (``set_batch`` / ``route``), never one of the active route.
+        dora: the linear layers keep per-slot DoRA factors and rescale each row by its
+            slot's (``LoRAContext``), so DoRA adapters (PEFT's ``use_dora``) can be loaded;
+            without it loading one raises. :meth:`from_adapters` sets it when one of its
+            adapters uses DoRA.
     """
 
     def __init__(
@@ -128,6 +133,7 @@ class MultiLoRA:
         lora_dtype: torch.dtype | None = None,
         strict_token_ids: bool = False,
         eviction: str | None = None,
+        dora: bool = False,
     ) -> None:
         check_eviction(eviction)
         if isinstance(target_modules, str):
@@ -136,7 +142,7 @@ class MultiLoRA:
         self.model = model
         self._slot_table = SlotTable(max_loras, max_rank, eviction=eviction, on_change=self._sync_adapters)
         self.context = _build_context(backend, max_loras=max_loras, max_rank=max_rank, device=device,
-                                      lora_dtype=lora_dtype, strict_token_ids=strict_token_ids)
+                                      lora_dtype=lora_dtype, strict_token_ids=strict_token_ids, dora=dora)
         self._targets = TargetModules(model, self.context, packed_modules=packed_modules,
                                       slice_widths=slice_widths, lm_head_modules=lm_head_modules)
         self._batches = BatchCache(self.context.device)
@@ -184,6 +190,7 @@ class MultiLoRA:
         if not adapters:
             raise ValueError("from_adapters needs at least one adapter")
         loaded = {name: load_peft_adapter(path) for name, path in adapters.items()}
+        options.setdefault("dora", any(a.use_dora for a in loaded.values()))
         if lm_head_modules is None:
             head = output_embedding_name(model)
             lm_head_modules = (head,) if head else ("lm_head",)

@@ -26,10 +26,14 @@ class LoRAContext:
     then converts its activations once (:meth:`to_lora_dtype`), lets the backend write
     the delta apart (:meth:`lora_output`) and adds it in the base output's dtype
     (:meth:`add_delta`).
-    """
+
+    ``dora=True``: the linear, Conv1D, LM-head and embedding layers keep a
+    ``(num_slots, out)`` float32 buffer of DoRA factors (1 for slots without DoRA) and rescale every row by its slot's factors
+    (``backend.run_dora_scale``), so DoRA adapters can be loaded (lora_core.dora). It is
+    fixed when the model is wrapped, so a captured graph always holds the rescale."""
 
     def __init__(self, backend: LoRABackend, *, num_slots: int, max_rank: int, dtype: torch.dtype,
-                 device: torch.device | str) -> None:
+                 device: torch.device | str, dora: bool = False) -> None:
         if not isinstance(backend, LoRABackend):
             raise TypeError(f"backend must be a lora_core.LoRABackend, got {type(backend).__name__}")
         self.backend = backend
@@ -37,6 +41,7 @@ class LoRAContext:
         self.max_rank = max_rank
         self.dtype = dtype
         self.device = check_device("device", device)
+        self.dora = bool(dora)
 
     def to_lora_dtype(self, x: torch.Tensor) -> torch.Tensor:
         """Activations ``x`` in the LoRA dtype (``x`` itself when it has it)."""

@@ -53,6 +53,9 @@ class Conv1DWithLoRA(LinearWithLoRA):
         fan_in, fan_out = base_layer.weight.shape
         return int(fan_in), int(fan_out)
 
+    def _base_weight(self) -> torch.Tensor:
+        return self.base_layer.weight.T  # stored (in, out): PEFT's fan_in_fan_out transpose
+
     @classmethod
     def can_wrap(cls, module: nn.Module, target: WrapTarget) -> bool:
         return is_conv1d(module) and not target.lm_head

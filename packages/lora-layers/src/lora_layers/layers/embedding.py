@@ -6,10 +6,11 @@ import torch
 from torch import nn
 
 from lora_core import EmbeddingLoRABuffers
+from lora_core.dora import dora_factor
 
 from ..parallel import TensorParallel
 from .context import LoRAContext, WrapTarget, inference_forward
-from .slot_weights import ModuleParts, folded_b
+from .slot_weights import ModuleParts, check_dora_parts, folded_b
 
 __all__ = ["EmbeddingWithLoRA"]
 
@@ -27,6 +28,10 @@ class EmbeddingWithLoRA(nn.Module):
     A vocab-parallel embedding (``tp.size > 1``) gives the backend each shard's
     local ids, so the other shards' ids are out of its range: it refuses a
     ``strict_token_ids`` backend.
+
+    DoRA (PEFT's ``DoraEmbeddingLayer``; with ``context.dora``): a row of a DoRA slot is
+    ``factor * (base row + delta)``, ``factor = m / ||W.T + s B A||`` per embedding
+    dimension (the norm over the vocabulary), computed at load into ``dora_factors``.
     """
 
     def __init__(self, base_layer: nn.Embedding, context: LoRAContext, num_added_tokens: int = 0,
@@ -50,6 +55,10 @@ class EmbeddingWithLoRA(nn.Module):
                                             vocab_size=local_vocab, embedding_dim=base_layer.embedding_dim,
                                             num_added_tokens=num_added_tokens, dtype=context.dtype,
                                             device=context.device)
+        self.dora_factors: torch.Tensor | None = None
+        """``(num_slots, D)`` float32 DoRA factors (1: no DoRA), with ``context.dora``."""
+        if context.dora:
+            self.dora_factors = torch.ones(context.num_slots, base_layer.embedding_dim, device=context.device)
 
     @classmethod
     def can_wrap(cls, module: nn.Module, target: WrapTarget) -> bool:
@@ -81,11 +90,17 @@ class EmbeddingWithLoRA(nn.Module):
         (w,) = parts.values()
         if w.kind != "embedding":
             raise ValueError("expected lora_embedding_A/B weights for an embedding")
+        if check_dora_parts(parts, self.dora_factors, self.tp.size):
+            factors = dora_factor(self.base_layer.weight.T, w.lora_a, w.lora_b, w.scaling, w.magnitude)
         self.set_lora(slot, w.lora_a, folded_b(w, slot_scaling))
+        if self.dora_factors is not None:
+            self.dora_factors[slot] = factors if w.magnitude is not None else 1.0
 
     def reset_lora(self, slot: int) -> None:
         """Zero ``slot``'s weights and added-token rows (the adapter in it is unloaded)."""
         self.buffers.clear(slot)
+        if self.dora_factors is not None:
+            self.dora_factors[slot] = 1.0
 
     @inference_forward
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -109,4 +124,6 @@ class EmbeddingWithLoRA(nn.Module):
         ctx = self.context
         out = ctx.add_delta(base, backend.run_lora_b(shrunk, self.buffers.b, (0, self.base_layer.embedding_dim),
                                                      ctx.lora_output(base)))
+        if self.dora_factors is not None:
+            out = backend.run_dora_scale(out, self.dora_factors)
         return out.reshape(*lead, out.shape[-1])

@@ -8,10 +8,11 @@ import torch
 from torch import nn
 
 from lora_core import LinearLoRABuffers, slice_offsets_from_widths
+from lora_core.dora import dora_factor
 
 from ..parallel import TensorParallel
 from .context import LoRAContext, WrapTarget, flatten_tokens, inference_forward
-from .slot_weights import WHOLE_MODULE, ModuleParts, folded_b
+from .slot_weights import WHOLE_MODULE, ModuleParts, check_dora_parts, folded_b
 
 __all__ = ["LinearWithLoRA", "SliceWeights"]
 
@@ -42,6 +43,10 @@ class LinearWithLoRA(nn.Module):
         self.buffers = LinearLoRABuffers(num_slots=context.num_slots, max_rank=context.max_rank,
                                          in_features=self.in_features, slice_widths=local,
                                          dtype=context.dtype, device=context.device)
+        self.dora_factors: torch.Tensor | None = None
+        """``(num_slots, out)`` float32 DoRA factors of the local outputs (1: no DoRA), with ``context.dora``."""
+        if context.dora:
+            self.dora_factors = torch.ones(context.num_slots, self.out_features, device=context.device)
 
     @classmethod
     def _features(cls, base_layer: nn.Module) -> tuple[int, int]:
@@ -104,11 +109,36 @@ class LinearWithLoRA(nn.Module):
         else:
             slices = [(parts[i].lora_a, folded_b(parts[i], slot_scaling)) if i in parts else None
                       for i in range(self.num_slices)]
+        factors = self._dora_factors_of(parts)  # checked before anything is written
         self.set_lora(slot, slices)
+        if factors is not None:
+            self.dora_factors[slot] = factors
 
     def reset_lora(self, slot: int) -> None:
         """Zero ``slot``'s weights (the adapter in it is unloaded)."""
         self.buffers.clear(slot)
+        if self.dora_factors is not None:
+            self.dora_factors[slot] = 1.0
+
+    def _base_weight(self) -> torch.Tensor:
+        """The base layer's weight as ``(out, in)`` (what DoRA's norm is taken over)."""
+        return self.base_layer.weight
+
+    def _dora_factors_of(self, parts: ModuleParts) -> torch.Tensor | None:
+        """An adapter's ``(out,)`` DoRA factors for this layer, computed once, at load
+        (lora_core.dora.dora_factor): each part with a magnitude vector sets its output
+        rows, other rows get 1. ``None`` for a layer without DoRA factors."""
+        check_dora_parts(parts, self.dora_factors, self.tp.size)
+        if self.dora_factors is None:
+            return None
+        dora = {i: w for i, w in parts.items() if w.magnitude is not None}
+        factors = torch.ones_like(self.dora_factors[0])
+        offsets = slice_offsets_from_widths(self.unsharded_slice_widths)
+        weight = self._base_weight()
+        for i, w in dora.items():
+            lo, hi = (0, offsets[-1]) if i == WHOLE_MODULE else (offsets[i], offsets[i + 1])
+            factors[lo:hi] = dora_factor(weight[lo:hi], w.lora_a, w.lora_b, w.scaling, w.magnitude)
+        return factors
 
     def _base(self, x: torch.Tensor) -> torch.Tensor:
         return self.base_layer(x)
@@ -119,6 +149,12 @@ class LinearWithLoRA(nn.Module):
         return ctx.add_delta(base_output, ctx.backend.run_packed(ctx.to_lora_dtype(x), buf.a, buf.b,
                                                                  buf.slice_offsets, delta_into))
 
+    def _dora(self, out: torch.Tensor, *, pruned: bool = False) -> torch.Tensor:
+        """Each row rescaled by its slot's DoRA factors (with ``context.dora``), in place."""
+        if self.dora_factors is None:
+            return out
+        return self.context.backend.run_dora_scale(out, self.dora_factors, self.base_layer.bias, pruned=pruned)
+
     def _finish(self, out: torch.Tensor) -> torch.Tensor:
         return out
 
@@ -126,5 +162,5 @@ class LinearWithLoRA(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = flatten_tokens(x, self.in_features, type(self).__name__)
-        out = self._finish(self._lora(x2, self._base(x2)))
+        out = self._finish(self._dora(self._lora(x2, self._base(x2))))
         return out.reshape(*lead, out.shape[-1])

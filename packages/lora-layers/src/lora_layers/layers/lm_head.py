@@ -47,4 +47,4 @@ class LMHeadWithLoRA(ColumnParallelLinearWithLoRA):
         base = self._base(x2)
         out = ctx.add_delta(base, ctx.backend.run_lm_head(ctx.to_lora_dtype(x2), buf.a, buf.b, ctx.lora_output(base),
                                                           pruned=pruned))
-        return self._finish(out).reshape(*lead, -1)
+        return self._finish(self._dora(out, pruned=pruned)).reshape(*lead, -1)

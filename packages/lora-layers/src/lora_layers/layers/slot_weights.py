@@ -18,7 +18,7 @@ import torch
 
 from lora_core.adapters import LoRAModuleWeights
 
-__all__ = ["WHOLE_MODULE", "ModuleParts", "folded_b"]
+__all__ = ["WHOLE_MODULE", "ModuleParts", "folded_b", "check_dora_parts"]
 
 WHOLE_MODULE = -1
 """The key of :data:`ModuleParts` for weights that cover the whole module (every slice)."""
@@ -37,3 +37,18 @@ def folded_b(weights: LoRAModuleWeights, slot_scaling: float) -> torch.Tensor:
     if weights.scaling == slot_scaling:
         return weights.lora_b
     return weights.lora_b * (weights.scaling / slot_scaling)
+
+
+def check_dora_parts(parts: ModuleParts, dora_factors: torch.Tensor | None, tp_size: int) -> bool:
+    """Whether ``parts`` carry DoRA magnitudes (PEFT's ``use_dora``); ``ValueError`` when the layer
+    cannot serve them: built without DoRA factors, or tensor-parallel (DoRA's norm is over the
+    full weight's rows, which no shard holds)."""
+    if all(w.magnitude is None for w in parts.values()):
+        return False
+    if dora_factors is None:
+        raise ValueError("a DoRA adapter (use_dora) needs the layers built with DoRA factors: "
+                         "MultiLoRA(..., dora=True) (from_adapters sets it when an adapter uses DoRA)")
+    if tp_size > 1:
+        raise ValueError(f"DoRA is not supported with tensor parallelism (tp_size = {tp_size}): its norm is "
+                         "over the full weight's rows")
+    return True

@@ -213,10 +213,14 @@ def _load_adapters(specs: Sequence[str]) -> dict[str, tuple[Path, int]]:
             raise UsageError(f"--adapter {name}: {path} is a file; give the PEFT adapter's directory (the one "
                              f"holding adapter_config.json and adapter_model.safetensors){hint}")
         try:
-            rank = load_peft_adapter(directory).rank
+            adapter = load_peft_adapter(directory)
         except Exception as err:  # whatever a bad adapter raises, it is bad input: one line
             message = str(err) if str(path) in str(err) else f"{path}: {err}"
             raise UsageError(f"--adapter {name}: {one_line(message)}") from None
+        if adapter.use_dora:  # lora-sim checks every output against plain LoRA math
+            raise UsageError(f"--adapter {name}: {path} is a DoRA adapter (use_dora); lora-sim serves plain LoRA "
+                             "adapters only (serve DoRA with MultiLoRA.from_adapters: docs/transformers.md)")
+        rank = adapter.rank
         adapters[name] = (directory, rank)
     return adapters
 
