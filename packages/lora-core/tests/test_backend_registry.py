@@ -7,7 +7,8 @@ import pytest
 from lora_core import LoRABackend, available_backends, get_backend
 
 ABSTRACT = {"batch_info", "prepare_batch", "init_graph_batch_info", "run_lora_a", "run_lora_b", "run_qkv",
-            "run_gate_up", "run_lm_head", "run_lora_a_embedding", "run_added_tokens"}
+            "run_gate_up", "run_lm_head", "run_lora_a_embedding", "run_added_tokens",
+            "run_experts_lora"}
 
 
 def test_every_backend_method_is_abstract():

@@ -7,6 +7,7 @@ from typing import Sequence
 import torch
 
 from lora_core import BatchInfo, BatchInfoBackend, BatchPlan
+from lora_cuda.expert_ops import experts_lora_fwd
 from lora_cuda.graph_ops import check_graph_kernel, graph_plan_types
 
 from .embedding import vectorized_lora_a_embedding_fwd
@@ -48,3 +49,7 @@ class AscendBackend(BatchInfoBackend):
     def embedding_shrink(self, ids, weights, batch_info, vocab_size, extra_embeddings) -> torch.Tensor:
         return vectorized_lora_a_embedding_fwd(ids, weights, batch_info, vocab_size, extra_embeddings,
                                                strict_token_ids=self.strict_token_ids)
+
+    def experts_lora(self, x, expert_ids, a_weights, b_weights, batch_info, base_output) -> torch.Tensor:
+        # graph-safe for every batch: a fixed set of launches whatever the router picks
+        return experts_lora_fwd(x, expert_ids, a_weights, b_weights, batch_info, base_output, graph_safe=True)

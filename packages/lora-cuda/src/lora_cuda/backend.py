@@ -9,6 +9,7 @@ import torch
 from lora_core import BatchInfo, BatchInfoBackend, BatchPlan
 
 from .control_plan import ControlPlan
+from .expert_ops import experts_lora_fwd
 from .graph_ops import check_graph_kernel, graph_plan_types
 from .ops import sgemm_lora_a_embedding_fwd, sgemm_lora_a_fwd, sgemm_lora_b_fwd
 
@@ -47,3 +48,6 @@ class TorchNativeBackend(BatchInfoBackend):
     def embedding_shrink(self, ids, weights, batch_info, vocab_size, extra_embeddings) -> torch.Tensor:
         return sgemm_lora_a_embedding_fwd(ids, weights, batch_info, vocab_size, extra_embeddings,
                                           strict_token_ids=self.strict_token_ids)
+
+    def experts_lora(self, x, expert_ids, a_weights, b_weights, batch_info, base_output) -> torch.Tensor:
+        return experts_lora_fwd(x, expert_ids, a_weights, b_weights, batch_info, base_output)
