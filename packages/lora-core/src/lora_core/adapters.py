@@ -19,6 +19,7 @@ import re
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable, Sequence
 
 import torch
 
@@ -48,6 +49,7 @@ class LoRAModuleWeights:
 
     Linear: ``lora_a (r, in)``, ``lora_b (out, r)``.
     Embedding: ``lora_a (r, V)``, ``lora_b (D, r)``.
+    Experts (a targeted parameter ``(E, out, in)``): ``lora_a (E, r, in)``, ``lora_b (E, out, r)``.
     """
 
     name: str
@@ -58,7 +60,7 @@ class LoRAModuleWeights:
 
     @property
     def rank(self) -> int:
-        return self.lora_a.shape[0]
+        return self.lora_a.shape[-2]
 
 
 @dataclass(frozen=True)
@@ -68,11 +70,33 @@ class PeftAdapter:
     path: Path
     config: dict
     modules: dict[str, LoRAModuleWeights] = field(repr=False)
+    parameter_pairs: dict[str, tuple[tuple[torch.Tensor, torch.Tensor], ...]] = field(default_factory=dict, repr=False)
+    """Modules with ``target_parameters`` weights not named yet: module -> its saved
+    ``(lora_A, lora_B)`` pairs, outermost wrapper first (:meth:`with_parameters` names them)."""
 
     @property
     def rank(self) -> int:
         """The largest module rank (the rank of the slot it occupies)."""
+        if self.parameter_pairs:
+            raise ValueError(f"{self.path}: the ranks of its parameter targets are known once they are named "
+                             "(PeftAdapter.with_parameters)")
         return max(m.rank for m in self.modules.values())
+
+    def with_parameters(self, parameter_names: Callable[[str], Sequence[str]]) -> PeftAdapter:
+        """This adapter with its ``target_parameters`` weights named (``<module>.<parameter>``
+        entries of kind ``"experts"`` in :attr:`modules`), given each module's parameter names
+        in registration order (``parameter_names(module)``; ``KeyError`` for a module the model lacks)."""
+        from .parameter_targets import name_parameter_weights
+
+        modules = dict(self.modules)
+        for module, pairs in self.parameter_pairs.items():
+            try:
+                names = parameter_names(module)
+            except KeyError:
+                raise AdapterFormatError(f"{self.path}: target_parameters weights for module {module!r}, "
+                                         "which the model does not have") from None
+            modules.update(name_parameter_weights(self.config, module, pairs, names, where=str(self.path)))
+        return PeftAdapter(path=self.path, config=self.config, modules=modules)
 
     @property
     def use_rslora(self) -> bool:
@@ -120,7 +144,6 @@ def _read_config(path: Path) -> dict:
         "lora_bias": "LoRA bias (lora_bias)",
         "modules_to_save": "fully trained modules (modules_to_save)",
         "trainable_token_indices": "trainable tokens (trainable_token_indices)",
-        "target_parameters": "parameter targeting (target_parameters)",
         "alora_invocation_tokens": "Activated LoRA, applied from the invocation tokens on (alora_invocation_tokens)",
         "use_qalora": "QALoRA's pooled inputs (use_qalora)",
         "layer_replication": "replicated layers (layer_replication)",
@@ -222,6 +245,9 @@ def load_peft_adapter(path: str | Path) -> PeftAdapter:
     if not pairs:
         raise AdapterFormatError(f"{path}: the adapter holds no LoRA weights")
 
+    from .parameter_targets import split_parameter_pairs
+
+    parameter_pairs = split_parameter_pairs(path, config, pairs)
     use_rslora = bool(config.get("use_rslora", False))
     rank_pattern = config.get("rank_pattern") or {}
     alpha_pattern = config.get("alpha_pattern") or {}
@@ -257,7 +283,7 @@ def load_peft_adapter(path: str | Path) -> PeftAdapter:
             lora_b=b,
             scaling=scaling,
         )
-    return PeftAdapter(path=path, config=config, modules=modules)
+    return PeftAdapter(path=path, config=config, modules=modules, parameter_pairs=parameter_pairs)
 
 
 def save_peft_adapter(
