@@ -88,6 +88,8 @@ def _is_parameter_module(config: dict, module: str) -> bool:
     targets = config.get("target_modules")
     if isinstance(targets, str) and targets.lower() == ALL_LINEAR:
         return False
+    if not (targets is None or isinstance(targets, str) or isinstance(targets, (list, tuple))):
+        return False  # check_targeting names the malformed target_modules when the adapter is wrapped
     return not matches_target({**config, "target_modules": targets or []}, module)
 
 
