@@ -6,11 +6,14 @@ base-model row) equals PEFT's output for that row with only its adapter loaded, 
 the base model for the base row. Mixtral and Qwen3-MoE (whose experts are
 transformers' fused ``gate_up_proj`` / ``down_proj``) in fp32 at the fp32 tolerance
 and Mixtral in bf16 at the bf16 one; greedy ``generate()`` with left padding; a
-graph-mode forward (captured with batch A, replayed with batch B) equal to eager.
+graph-mode forward (captured with batch A, replayed with batch B) equal to eager;
+and ``examples/bench_moe.py --smoke`` checks and times every variant.
 """
 
 import copy
+import importlib.util
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -183,3 +186,16 @@ def test_load_adapter_later_and_refusals(served, tmp_path):
         other.save_pretrained(str(tmp_path / "odd"))
     with pytest.raises(AdapterFormatError, match=r"parameter 'model\.layers\.0\.self_attn\.q_proj\.weight'"):
         MultiLoRA.from_adapters(copy.deepcopy(base), {"odd": tmp_path / "odd"})
+
+
+def test_bench_moe_smoke_checks_and_times_every_variant(capsys, tmp_path):
+    path = Path(__file__).resolve().parents[1] / "examples" / "bench_moe.py"
+    spec = importlib.util.spec_from_file_location("example_bench_moe", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.main(["--smoke", "--json", str(tmp_path / "bench.json")]) == 0
+    out = capsys.readouterr().out
+    for row in ("| prefill | base |", "| prefill | peft |", "| decode | lora-kit torch_native |",
+                "| decode | lora-kit ascend |"):
+        assert row in out
+    assert (tmp_path / "bench.json").is_file()
