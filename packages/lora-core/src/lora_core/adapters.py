@@ -19,7 +19,7 @@ import re
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 import torch
 
@@ -297,18 +297,23 @@ def save_peft_adapter(
     rank_pattern: dict[str, int] | None = None,
     alpha_pattern: dict[str, float] | None = None,
     base_model_name_or_path: str | None = None,
+    parameters: Mapping[str, Sequence[tuple[str, torch.Tensor, torch.Tensor]]] | None = None,
 ) -> Path:
     """Write an adapter in PEFT's on-disk format (what ``save_pretrained`` writes).
 
     ``modules`` maps a module name to ``(A, B)``: ``A (r, in)``, ``B (out, r)``
     (embeddings, named in ``embedding_modules``: ``A (r, V)``, ``B (D, r)``).
+    ``parameters`` maps a module name to its targeted parameters (``target_parameters``,
+    e.g. fused experts) in the module's registration order, each ``(name, A (E, r, in),
+    B (E, out, r))``, saved as PEFT's nested parameter wrappers (docs/moe.md).
     ``r`` defaults to the most common module rank.
     """
     from safetensors.torch import save_file
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    ranks = [a.shape[0] for a, _ in modules.values()]
+    ranks = [a.shape[0] for a, _ in modules.values()] + [a.shape[1] for p in (parameters or {}).values()
+                                                          for _, a, _ in p]
     r = r if r is not None else max(set(ranks), key=ranks.count)
     tensors = {}
     for name, (a, b) in modules.items():
@@ -318,6 +323,14 @@ def save_peft_adapter(
         else:
             tensors[f"{_PREFIX}{name}.lora_A.weight"] = a.contiguous()
             tensors[f"{_PREFIX}{name}.lora_B.weight"] = b.contiguous()
+    target_parameters = set()
+    for module, params in (parameters or {}).items():
+        for depth, (param, a, b) in enumerate(reversed(params)):  # the last parameter is the outermost wrapper
+            experts, rank, _ = a.shape
+            key = f"{_PREFIX}{module}" + ".base_layer" * depth
+            tensors[f"{key}.lora_A.weight"] = a.reshape(experts * rank, -1).contiguous()
+            tensors[f"{key}.lora_B.weight"] = b.permute(1, 2, 0).reshape(b.shape[1], rank * experts).contiguous()
+            target_parameters.add(f"{module.rsplit('.', 1)[-1]}.{param}")
     save_file(tensors, str(path / SAFETENSORS_NAME))
     config = {
         "peft_type": "LORA",
@@ -333,6 +346,7 @@ def save_peft_adapter(
         "bias": "none",
         "use_dora": False,
         "modules_to_save": None,
+        "target_parameters": sorted(target_parameters) or None,
     }
     (path / CONFIG_NAME).write_text(json.dumps(config, indent=2))
     return path

@@ -112,7 +112,7 @@ exit status:
 
 
 TRANSFORMERS_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                     "num_key_value_heads")
+                     "num_key_value_heads", "num_experts_per_tok")
 """The keys of a transformers ``config.json`` (Llama, Qwen2, Mistral, ... naming) that lora-sim's model reads."""
 
 OPTION_COMMANDS: dict[str, tuple[str, ...]] = {
@@ -137,6 +137,8 @@ def _from_transformers(values: dict) -> tuple[dict, str]:
         raise UsageError(f"--model-config: this transformers config has no {', '.join(missing)} "
                          f"(lora-sim reads {', '.join(TRANSFORMERS_KEYS)}){hint}")
     fields = {k: values[k] for k in TRANSFORMERS_KEYS if values.get(k) is not None}
+    if values.get("num_local_experts") is not None:  # Mixtral's name for the expert count
+        fields["num_experts"] = values["num_local_experts"]
     fields.setdefault("num_key_value_heads", fields["num_attention_heads"])
     head_dim = values.get("head_dim")
     if head_dim is not None:
@@ -148,7 +150,7 @@ def _from_transformers(values: dict) -> tuple[dict, str]:
         if sizes and head_dim * heads != hidden:  # sizes of another type: the field checks name them
             raise UsageError(f"--model-config: head_dim = {head_dim} is not hidden_size / num_attention_heads "
                              f"({hidden} / {heads}); lora-sim's model derives it")
-    ignored = sorted(set(values) - set(fields) - {"head_dim"})
+    ignored = sorted(set(values) - set(fields) - {"head_dim", "num_local_experts"})
     shown = ", ".join(ignored[:6]) + (", ..." if len(ignored) > 6 else "")
     architectures = values.get("architectures")
     kind = values.get("model_type") or (architectures[0] if isinstance(architectures, list) and architectures
@@ -213,7 +215,11 @@ def _load_adapters(specs: Sequence[str]) -> dict[str, tuple[Path, int]]:
             raise UsageError(f"--adapter {name}: {path} is a file; give the PEFT adapter's directory (the one "
                              f"holding adapter_config.json and adapter_model.safetensors){hint}")
         try:
-            rank = load_peft_adapter(directory).rank
+            adapter = load_peft_adapter(directory)
+            # target_parameters are named by the model (checked with it later): their ranks are declared ones
+            declared = [adapter.config["r"], *(adapter.config.get("rank_pattern") or {}).values()]
+            rank = max(m.rank for m in adapter.modules.values()) if not adapter.parameter_pairs else \
+                max([*(m.rank for m in adapter.modules.values()), *declared])
         except Exception as err:  # whatever a bad adapter raises, it is bad input: one line
             message = str(err) if str(path) in str(err) else f"{path}: {err}"
             raise UsageError(f"--adapter {name}: {one_line(message)}") from None
