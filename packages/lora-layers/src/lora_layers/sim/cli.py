@@ -71,18 +71,21 @@ stderr as the rows finish (none with --quiet or --json -).
 
 --model-config: a JSON file or inline JSON object of the model's sizes, either
 lora-sim's own keys (vocab_size, hidden_size, intermediate_size, num_hidden_layers,
-num_attention_heads, num_key_value_heads, fused, seed; the rest keep the default)
-or a transformers config.json (it has model_type or architectures): its
-vocab_size, hidden_size, intermediate_size, num_hidden_layers,
-num_attention_heads and num_key_value_heads are used, every other key is ignored
-(a note on stderr says which). --adapter adapters are served at the largest rank
-among them.
+num_attention_heads, num_key_value_heads, fused, seed, num_experts,
+num_experts_per_tok; the rest keep the default) or a transformers config.json (it
+has model_type or architectures): its vocab_size, hidden_size, intermediate_size,
+num_hidden_layers, num_attention_heads, num_key_value_heads, num_experts_per_tok
+and Mixtral's num_local_experts are used, every other key is ignored (a note on
+stderr says which). num_experts > 0 makes the MLP a mixture of experts (Mixtral's
+layout), whose adapters target the experts' gate_up_proj / down_proj
+(target_parameters; docs/moe.md). --adapter adapters are served at the largest
+rank among them.
 
 limits (checked before anything runs; bad input exits 2 with one line):
   --decode-steps 1-{MAX_DECODE_STEPS}; --rounds {MIN_ROUNDS}-{MAX_ROUNDS}
   --model-config integers: {_RANGES}; seed 0-2**63-1;
     num_attention_heads divides hidden_size, num_key_value_heads divides
-    num_attention_heads; fused is true or false
+    num_attention_heads; num_experts_per_tok at most num_experts; fused is true or false
   memory: a run estimated to need more than --max-memory-gib (default {MAX_MEMORY_GIB:g})
     GiB is refused (fp32 copies of the model per adapter, plus LoRA buffers)
   --json and --plot: writable paths, checked first; --plot ends in
