@@ -19,6 +19,7 @@ Adapter weights are given unsharded; tensor-parallel wrappers take their shard.
 | EmbeddingWithLoRA | vocab rows | vocab columns | full | added_tokens, lora_a_embedding, lora_b | all-reduce x2 |
 | LMHeadWithLoRA | vocab rows | full | vocab rows | lm_head | all-gather |
 | ExpertsWithLoRA (fused experts, per-expert A/B) | full | full | full | experts_lora x2 | none |
+| ParallelExpertsWithLoRA | gate/up rows, down columns of the intermediate dim | gate_up full, down columns | gate_up rows, down full | experts_lora x2 | all-reduce of the output |
 """
 
 from .column_parallel import (
@@ -33,6 +34,7 @@ from .embedding import EmbeddingWithLoRA
 from .experts import ExpertsWithLoRA
 from .linear import LinearWithLoRA, SliceWeights
 from .lm_head import LMHeadWithLoRA
+from .parallel_experts import ParallelExpertsWithLoRA
 from .row_parallel import RowParallelLinearWithLoRA
 from .slot_weights import WHOLE_MODULE, ModuleParts, folded_b
 
@@ -48,6 +50,7 @@ __all__ = [
     "LoRAContext",
     "MergedColumnParallelLinearWithLoRA",
     "ModuleParts",
+    "ParallelExpertsWithLoRA",
     "QKVParallelLinearWithLoRA",
     "RowParallelLinearWithLoRA",
     "SliceWeights",

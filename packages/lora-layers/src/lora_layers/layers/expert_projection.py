@@ -5,8 +5,9 @@
 ``[0, E)`` (an expert-parallel mask). Three ways, the same numbers:
 
 * a grouped GEMM over the pairs sorted by expert (``torch._grouped_mm``), where the
-  device's platform prefers it (the CPU) and not under ``torch.compile`` (whose
-  grouped GEMM takes bf16 only): no host read, no weight copies;
+  device's platform prefers it (the CPU), for contiguous weights with 16-byte aligned
+  strides, and not under ``torch.compile`` (whose grouped GEMM takes bf16 only): no
+  host read, no weight copies;
 * eager batches elsewhere: a host loop over the experts the router picked (one read
   back of the choices, as transformers' own experts loop does);
 * graph batches and compiled code elsewhere: each pair's weight gathered for one ``bmm`` per chunk of
@@ -36,8 +37,11 @@ def expert_projection(x: torch.Tensor, expert_ids: torch.Tensor, weight: torch.T
     xs = x.reshape(P, in_features)
     if P == 0:
         return x.new_zeros(T, K, out_features)
-    grouped = hasattr(torch, "_grouped_mm") and platform_for(x.device).prefers_grouped_gemm
-    if grouped and not torch.compiler.is_compiling():  # compiled grouped GEMMs take bf16 only
+    grouped = (not torch.compiler.is_compiling()  # compiled grouped GEMMs take bf16 only
+               and hasattr(torch, "_grouped_mm") and platform_for(x.device).prefers_grouped_gemm
+               and weight.is_contiguous() and weight.data_ptr() % 16 == 0
+               and all(n * weight.dtype.itemsize % 16 == 0 for n in (in_features, out_features)))
+    if grouped:
         order = torch.argsort(safe, stable=True)
         counts = torch.zeros(E, dtype=torch.int32, device=x.device).index_add_(
             0, safe, torch.ones_like(safe, dtype=torch.int32))

@@ -87,11 +87,16 @@ class ExpertsWithLoRA(nn.Module):
         if unknown:
             raise ValueError(f"no expert parameter of index {unknown[0]}; the parameters are "
                              f"{list(self.parameters_with_lora)}")
+        weights = {i: self._shard(i, w.lora_a, folded_b(w, slot_scaling)) for i, w in parts.items()}
         self.reset_lora(slot)
         for index, buffers in enumerate((self.gate_up, self.down)):
-            if index in parts:
-                w = parts[index]
-                buffers.load(slot, w.lora_a, folded_b(w, slot_scaling))
+            if index in weights:
+                buffers.load(slot, *weights[index])
+
+    def _shard(self, index: int, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This process's part of parameter ``index``'s unsharded ``(A (E, r, in), B (E, out, r))``
+        (all of it here; the tensor-parallel wrapper takes its shard)."""
+        return a, b
 
     def reset_lora(self, slot: int) -> None:
         """Zero ``slot``'s weights (the adapter in it is unloaded)."""
