@@ -18,10 +18,13 @@ BACKENDS = available_backends()
 DTYPES = [torch.float32, torch.bfloat16]
 
 
-def _case(seed, dtype, device, top_k):
+def _case(seed, dtype, device, top_k, aligned=False):
+    """Random sizes; ``aligned``: feature sizes and rank of 16-byte rows (the grouped GEMM's rule)."""
     rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
-    L, E, R = rng.randint(2, 4), rng.randint(3, 6), rng.choice([4, 8])
+    L, E, R = rng.randint(2, 4), rng.randint(3, 6), 8 if aligned else rng.choice([4, 8])
     T, in_f, out_f = rng.randint(4, 24), rng.randint(4, 24), rng.randint(4, 24)
+    if aligned:
+        in_f, out_f = 8 * rng.randint(1, 3), 8 * rng.randint(1, 3)
     ranks = random_ranks(rng, L, R)
     a, b = random_expert_weights(gen, num_slots=L, num_experts=E, max_rank=R, in_features=in_f,
                                  out_features=out_f, lora_ranks=ranks, dtype=dtype, device=device)
@@ -76,14 +79,44 @@ def test_no_delta_without_adapter_or_expert(backend_name):
     torch.testing.assert_close(backend.run_experts_lora(x, outside, a, b), torch.zeros_like(base), rtol=0, atol=0)
 
 
-def test_graph_safe_kernel_has_constant_launches_and_pair_proportional_flops():
+@pytest.mark.parametrize("kernel", ["grouped", "blocked"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_both_graph_safe_kernels_match_reference(device, kernel, dtype):
+    """The ascend backend (graph-safe for every batch) with each kernel preference."""
+    ranks, (a, b), (batch_a, batch_b), (ids_a, ids_b), x, base = _case(4, dtype, device.torch_device, 2,
+                                                                       aligned=True)
+    backend = get_backend("ascend")(device.torch_device, graph_kernel=kernel)
+    holder = {"info": make_batch_info(*batch_a, ranks, device=device.torch_device, use_graph=device.is_graph)}
+    ids = ids_a.clone()
+
+    def step(x, ids, base):
+        backend.prepare_batch(holder["info"])
+        return backend.run_experts_lora(x, ids, a, b, base.clone())
+
+    def refill():
+        ids.copy_(ids_b)
+        if device.is_graph:
+            holder["info"].refill(*batch_b)
+        else:
+            holder["info"] = make_batch_info(*batch_b, ranks, device=device.torch_device)
+
+    out_a, out_b = device.run_two_batches(step, (x, ids, base), refill)
+    for out, batch, picked in ((out_a, batch_a, ids_a), (out_b, batch_b, ids_b)):
+        ref = make_batch_info(*batch, ranks, device="cpu")
+        assert_close_to_reference(out, base.float().cpu() + reference_experts_lora(x, picked, a, b, ref), dtype)
+
+
+@pytest.mark.parametrize("kernel", ["grouped", "blocked"])
+def test_graph_safe_kernel_has_constant_launches_and_pair_proportional_flops(kernel):
     from lora_cuda import experts_lora_fwd
 
-    ranks, (a, b), (batch_a, batch_b), (ids_a, ids_b), x, _ = _case(1, torch.float32, "cpu", 2)
+    ranks, (a, b), (batch_a, batch_b), (ids_a, ids_b), x, _ = _case(1, torch.float32, "cpu", 2, aligned=True)
     counts = []
     for batch, ids in ((batch_a, ids_a), (batch_b, ids_b), (([x.shape[0]], [None]), ids_a)):
         info = make_batch_info(*batch, ranks, device="cpu")
-        counts.append(count_launches(lambda *args: experts_lora_fwd(*args, graph_safe=True), x, ids, a, b, info))
+        run = lambda *args: experts_lora_fwd(*args, graph_safe=True, graph_kernel=kernel)  # noqa: E731
+        counts.append(count_launches(run, x, ids, a, b, info))
+    assert counts[0].by_op["aten._grouped_mm.default" if kernel == "grouped" else "aten.bmm.default"] == 2
     assert len({(c.ops, c.signatures, c.matmul_macs) for c in counts}) == 1
     assert all(c.host_reads == 0 for c in counts)
     T, K, in_f = x.shape

@@ -52,4 +52,5 @@ class AscendBackend(BatchInfoBackend):
 
     def experts_lora(self, x, expert_ids, a_weights, b_weights, batch_info, base_output) -> torch.Tensor:
         # graph-safe for every batch: a fixed set of launches whatever the router picks
-        return experts_lora_fwd(x, expert_ids, a_weights, b_weights, batch_info, base_output, graph_safe=True)
+        return experts_lora_fwd(x, expert_ids, a_weights, b_weights, batch_info, base_output, graph_safe=True,
+                                graph_kernel=self.graph_kernel)

@@ -50,4 +50,5 @@ class TorchNativeBackend(BatchInfoBackend):
                                           strict_token_ids=self.strict_token_ids)
 
     def experts_lora(self, x, expert_ids, a_weights, b_weights, batch_info, base_output) -> torch.Tensor:
-        return experts_lora_fwd(x, expert_ids, a_weights, b_weights, batch_info, base_output)
+        return experts_lora_fwd(x, expert_ids, a_weights, b_weights, batch_info, base_output,
+                                graph_kernel=self.graph_kernel)

@@ -10,10 +10,16 @@ dispatched pairs times the rank, never with every expert times every slot:
   choices are device data, as transformers' own experts loop reads them), then a
   host loop over the groups that exist: one shrink and one expand per group.
 * :func:`graph_experts_lora` (graph batches, ``ascend``, ``torch.compile``):
-  static shapes and nothing read on the host; each pair's ``A`` and ``B`` are
-  gathered and multiplied in two ``bmm`` per chunk of pairs. The chunk count is
-  fixed by the capacity and the weights' shapes (a chunk's gathered weights stay
-  under :data:`CHUNK_ELEMENTS`), so a capture replays for any batch.
+  static shapes and nothing read on the host, with one of two kernels (the
+  backend's ``graph_kernel`` preference, :data:`lora_cuda.GRAPH_KERNELS`):
+  **grouped**: the pairs sorted by group on the device and two grouped GEMMs
+  (``torch._grouped_mm``) against the weight stacks viewed as ``L*E`` groups, no
+  weight copies (``"auto"`` uses it where the platform prefers grouped GEMMs, the
+  CPU, for 16-byte aligned strides, and never under ``torch.compile``, whose grouped
+  GEMM takes bf16 only); **gathered** (everywhere else, ``"blocked"``): each pair's
+  ``A`` and ``B`` gathered and multiplied in two ``bmm`` per chunk of pairs, the
+  chunk count fixed by the capacity and the weights' shapes (a chunk's gathered
+  weights stay under :data:`CHUNK_ELEMENTS`). Either way a capture replays for any batch.
 
 Rank masking happens on the shrink output: ``A`` rows beyond a slot's rank never
 reach the result, and ``B`` columns beyond it meet zeros.
@@ -24,6 +30,7 @@ from __future__ import annotations
 import torch
 
 from lora_core import BatchInfo, is_capturing
+from lora_core.platforms import platform_for
 
 __all__ = ["CHUNK_ELEMENTS", "control_experts_lora", "graph_experts_lora"]
 
@@ -48,11 +55,21 @@ def _pair_tables(expert_ids: torch.Tensor, batch_info: BatchInfo, num_experts: i
     return groups, coef.reshape(T * K, max_rank)
 
 
+def _grouped(kernel: str, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the grouped-GEMM kernel runs for preference ``kernel`` (metadata only)."""
+    if kernel == "blocked" or not hasattr(torch, "_grouped_mm") or torch.compiler.is_compiling():
+        return False
+    R, in_features, out_features = a.shape[2], a.shape[3], b.shape[2]
+    possible = (a.is_contiguous() and b.is_contiguous() and a.data_ptr() % 16 == 0 and b.data_ptr() % 16 == 0
+                and all(n * x.dtype.itemsize % 16 == 0 for n in (R, in_features, out_features)))
+    return possible and (kernel == "grouped" or platform_for(x.device).prefers_grouped_gemm)
+
+
 def graph_experts_lora(x: torch.Tensor, expert_ids: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-                       batch_info: BatchInfo, base_output: torch.Tensor | None) -> torch.Tensor:
+                       batch_info: BatchInfo, base_output: torch.Tensor | None, kernel: str = "auto") -> torch.Tensor:
     """Graph-safe: ``x (T, K, in)``, ``expert_ids (T, K)``, ``a (L, E, R, in)``, ``b (L, E, out, R)``
-    -> ``(T, K, out)`` in ``x.dtype``, added to ``base_output`` in place when given.
-    Inputs are validated by the caller."""
+    -> ``(T, K, out)`` in ``x.dtype``, added to ``base_output`` in place when given; ``kernel``
+    is a preference of :data:`lora_cuda.GRAPH_KERNELS`. Inputs are validated by the caller."""
     T, K, in_features = x.shape
     L, E, R, _ = a.shape
     out_features = b.shape[2]
@@ -63,6 +80,16 @@ def graph_experts_lora(x: torch.Tensor, expert_ids: torch.Tensor, a: torch.Tenso
     groups, coef = _pair_tables(expert_ids, batch_info, E, R)
     a_groups, b_groups = a.reshape(L * E, R, in_features), b.reshape(L * E, out_features, R)
     xs = x.reshape(P, in_features)
+    if _grouped(kernel, x, a, b):
+        order = torch.argsort(groups, stable=True)  # pairs without a delta sit in group 0, masked below
+        counts = torch.zeros(L * E, dtype=torch.int32, device=x.device).index_add_(
+            0, groups, torch.ones_like(groups, dtype=torch.int32))
+        ends = torch.cumsum(counts, 0, dtype=torch.int32)
+        y = torch._grouped_mm(xs.index_select(0, order), a_groups.transpose(1, 2), offs=ends)  # (P, R)
+        c = coef.index_select(0, order)
+        y = torch.where(c != 0, y.float() * c, 0.0).to(x.dtype)
+        d = torch._grouped_mm(y, b_groups.transpose(1, 2), offs=ends)  # (P, out), sorted
+        return out.add_(torch.empty_like(d).index_copy_(0, order, d).view(T, K, out_features))
     chunk = max(1, CHUNK_ELEMENTS // (R * (in_features + out_features)))
     deltas = []
     for start in range(0, P, chunk):  # a count fixed by the shapes: the same launches for every batch
