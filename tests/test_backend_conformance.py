@@ -218,3 +218,60 @@ def test_expand_reads_nothing_beyond_each_slots_rank_in_any_slice(device, backen
     for out, ref, batch in zip([out_a, out_b], refs, "AB"):
         assert torch.isfinite(out.float()).all(), f"batch {batch}: the expand read garbage beyond a rank"
         assert_close_to_reference(out, reference_lora_b(y, b, ref, offsets), dtype)
+
+
+# ----------------------------------------------------------------------------- packed projections of any arity
+PACKED_METHODS = ("run_packed", "run_qkv", "run_gate_up")
+"""One op under three names: the slice count is the call's ``len(slice_offsets) - 1``."""
+
+
+@pytest.mark.parametrize("backend_name", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("seed", range(3))
+def test_packed_projections_of_any_slice_count_match_reference(device, backend_name, dtype, seed):
+    """1 to 5 slices of uneven widths (q/k/v plus an output gate, say), mixed ranks (rank 0,
+    slot -1, garbage beyond every rank), accumulated into a base output; captured with batch A
+    and replayed with B on graph devices, compiled once and reused on compile devices."""
+    rng = random.Random(100 + seed)
+    gen = torch.Generator().manual_seed(100 + seed)
+    num_slices = [1, 4, 5][seed] if dtype == torch.float32 else rng.randint(1, 5)
+    widths = [rng.choice([8, 16, 24, 40]) for _ in range(num_slices)]
+    L, R, T, in_features = rng.randint(2, 5), rng.choice([4, 8, 16]), rng.randint(8, 60), rng.randint(8, 48)
+    ranks = random_ranks(rng, L, R)
+    pair = random_batch_pair(rng, T, ranks)
+    a, b, offsets = random_linear_weights(gen, num_slots=L, max_rank=R, in_features=in_features, slice_widths=widths,
+                                          lora_ranks=ranks, dtype=dtype, device=device.torch_device)
+    weight = (torch.randn(offsets[-1], in_features, generator=gen) / in_features**0.5).to(device.torch_device, dtype)
+    x = torch.randn(T, in_features, generator=gen).to(device.torch_device, dtype)
+    backend = get_backend(backend_name)(device.torch_device)
+    method = getattr(backend, PACKED_METHODS[seed])
+
+    def forward(info, x):
+        backend.prepare_batch(info)
+        return method(x, a, b, offsets, x @ weight.T)
+
+    out_a, out_b = pair.run(device, forward, x)
+    for out, ref in zip([out_a, out_b], pair.reference_infos()):
+        delta = reference_lora_b(reference_lora_a(x, a, ref, num_slices), b, ref, offsets)
+        assert_close_to_reference(out, (x @ weight.T).float().cpu() + delta, dtype)
+
+
+@pytest.mark.parametrize("backend_name", BACKENDS)
+def test_sglang_four_slice_run_qkv_case(backend_name):
+    """SGLang's backend test (test/manual/lora/test_torch_backend.py::test_run_qkv_lora) in this
+    layout: two requests of one token on slots 0 and 1 (rank 1, scalings 1 and 0.5), a qkv call
+    with five offsets [0, 3, 6, 9, 12] given as a CPU int32 tensor, i.e. four slices."""
+    gen = torch.Generator().manual_seed(0)
+    ranks, scalings, offsets = [1, 1], [1.0, 0.5], torch.tensor([0, 3, 6, 9, 12], dtype=torch.int32)
+    x = torch.randn(2, 6, generator=gen)
+    a = torch.randn(2, 1 * 4, 6, generator=gen)  # (L, c*R, in)
+    b = torch.randn(2, 12, 1, generator=gen)  # (L, out_total, R)
+    info = BatchPair(ranks, ([1, 1], [0, 1]), ([1, 1], [0, 1]), scalings).build(([1, 1], [0, 1]), "cpu")
+    backend = get_backend(backend_name)("cpu")
+    backend.prepare_batch(info)
+    expected = torch.stack([
+        torch.cat([b[s, 3 * i : 3 * i + 3, 0] * (scalings[s] * a[s, i] @ x[s]) for i in range(4)])
+        for s in (0, 1)])  # token s is on slot s; rank 1, so slice i's shrink is one number
+    torch.testing.assert_close(backend.run_qkv(x, a, b, offsets), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(backend.run_qkv(x, a, b, offsets), reference_lora_b(
+        reference_lora_a(x, a, info, 4), b, info, offsets.tolist()), rtol=1e-5, atol=1e-5)

@@ -8,11 +8,14 @@ reports one compile and zero recompiles.
 """
 
 import json
+import re
+import shutil
 
 import pytest
 import torch
 
-from lora_core.testing import COMPILE_BACKEND, CompiledReplay, compile_capture, make_device, probe_device
+from lora_core.testing import (COMPILE_BACKEND, CompiledReplay, compile_capture, fastest_compile_backend, make_device,
+                               probe_device)
 from lora_layers import sim
 
 SMALL = '{"vocab_size": 64, "hidden_size": 32, "intermediate_size": 48, "num_attention_heads": 4}'
@@ -57,18 +60,47 @@ def test_a_graph_break_fails_the_capture():
 
 def test_lora_sim_reports_the_compiled_decode_row(capsys, tmp_path):
     code = sim.main(["--device", "cpu-compile", "--model-config", SMALL, "--decode-steps", "2",
-                     "--rounds", "3", "--json", str(tmp_path / "r.json")])
+                     "--rounds", "3", "--compile-backend", "aot_eager", "--json", str(tmp_path / "r.json")])
     out = capsys.readouterr().out
     assert code == 0, out
     assert "| compiled decode |" in out.splitlines()[3]
     for backend in ("torch_native", "ascend"):
         line = next(row for row in out.splitlines() if row.startswith(f"| {backend} | cpu-compile | pass |"))
-        assert "compiled (fullgraph, aot_eager)" in line and "compiled once, 0 recompiles, " in line, line
+        assert "compiled (fullgraph, aot_eager)" in line, line
+        assert re.search(r"\| aot_eager: compiled once in \d+\.\d s, 0 recompiles, [\d,]+ tok/s \|$", line), line
     rows = json.loads((tmp_path / "r.json").read_text())["rows"]
     compiled = {r["backend"]: r["compiled_decode"] for r in rows if r["device"] == "cpu-compile"}
+    assert len(compiled) == 2 and all(c.pop("compile_s") > 0 for c in compiled.values()), compiled
     # every decode step of every round is a compiled step (plus the warm-up one), all without a recompile
-    assert all(c == {"backend": "aot_eager", "compiles": 1, "recompiles": 0, "steps": 1 + 3 * 2}
-               for c in compiled.values()) and len(compiled) == 2, compiled
+    assert all(c == {"backend": "aot_eager", "why": "asked for", "compiles": 1, "recompiles": 0, "steps": 1 + 3 * 2}
+               for c in compiled.values()), compiled
+
+
+def test_auto_compiles_with_the_fastest_backend_and_says_why(monkeypatch):
+    monkeypatch.setattr(sim.run, "fastest_compile_backend", lambda device_type: ("aot_eager", f"no {device_type} cc"))
+    assert sim.run.compile_backend_for("auto", "cpu") == ("aot_eager", "no cpu cc")
+    with pytest.raises(ValueError, match=r"inductor cannot compile for cpu here \(no cpu cc\)"):
+        sim.run.compile_backend_for("inductor", "cpu")
+    assert sim.run.compile_backend_for("aot_eager", "cpu") == ("aot_eager", "asked for")
+
+
+def test_inductor_is_the_fastest_backend_only_with_a_cpp_compiler():
+    import torch._inductor.config
+
+    if shutil.which("g++") or shutil.which("c++"):
+        assert fastest_compile_backend("cpu")[0] == "inductor"
+    with torch._inductor.config.patch({"cpp.cxx": ("/nonexistent/c++",)}):
+        backend, why = fastest_compile_backend("cpu")
+    assert backend == "aot_eager" and why.startswith("inductor needs a C++ compiler on CPU"), why
+    assert fastest_compile_backend("npu") == ("aot_eager", "inductor does not generate npu code")
+
+
+def test_lora_sim_refuses_inductor_where_it_cannot_compile(monkeypatch, capsys):
+    monkeypatch.setattr(sim.run, "fastest_compile_backend", lambda device_type: ("aot_eager", "no C++ compiler"))
+    assert sim.main(["--device", "cpu-compile", "--compile-backend", "inductor", "--model-config", SMALL]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("lora-sim: error: --compile-backend inductor: inductor cannot compile for cpu here "
+                   "(no C++ compiler)"), err
 
 
 def test_rows_of_other_devices_leave_the_compiled_decode_cell_empty():

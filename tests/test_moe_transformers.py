@@ -108,7 +108,7 @@ def _per_row(base, single, fn):
 
 def _served(base, paths, backend, dtype=torch.float32):
     model = copy.deepcopy(base).to(dtype)
-    return model, MultiLoRA.from_adapters(model, paths, backend=backend, dtype=dtype)
+    return model, MultiLoRA.from_adapters(model, paths, backend=backend)  # the LoRA dtype: the model's
 
 
 @pytest.mark.parametrize("backend", available_backends())

@@ -56,7 +56,7 @@ def main(rank: int, world: int, init_method: str) -> None:
 
     x = torch.randn(T, H, generator=gen)
 
-    # column parallel (gathered), gate_up, qkv with sharded and with replicated kv heads
+    # column parallel (gathered), gate_up, qkv with sharded and with replicated kv heads, a 4-part packed one
     for name, widths, local_out, make in [
         ("column", [24], 12, lambda base: ColumnParallelLinearWithLoRA(base, ctx, tp, gather_output=True)),
         ("gate_up", [20, 20], 20, lambda base: MergedColumnParallelLinearWithLoRA(base, ctx, tp, [20, 20], True)),
@@ -64,6 +64,8 @@ def main(rank: int, world: int, init_method: str) -> None:
             base, ctx, tp, num_heads=4, num_kv_heads=2, head_dim=4, gather_output=True)),
         ("qkv kv-replicated", [16, 4, 4], 16, lambda base: QKVParallelLinearWithLoRA(
             base, ctx, tp, num_heads=4, num_kv_heads=1, head_dim=4)),
+        ("qkvg (4 packed parts)", [16, 8, 8, 16], 24, lambda base: ColumnParallelLinearWithLoRA(
+            base, ctx, tp, [16, 8, 8, 16], gather_output=True)),
     ]:
         full = nn.Linear(H, sum(widths))
         with torch.no_grad():

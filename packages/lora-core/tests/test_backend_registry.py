@@ -6,8 +6,8 @@ import pytest
 
 from lora_core import LoRABackend, available_backends, get_backend
 
-ABSTRACT = {"batch_info", "prepare_batch", "init_graph_batch_info", "run_lora_a", "run_lora_b", "run_qkv",
-            "run_gate_up", "run_lm_head", "run_lora_a_embedding", "run_added_tokens",
+ABSTRACT = {"batch_info", "prepare_batch", "init_graph_batch_info", "run_lora_a", "run_lora_b", "run_lm_head",
+            "run_lora_a_embedding", "run_added_tokens", "run_packed",
             "run_experts_lora"}
 
 
@@ -23,6 +23,15 @@ def test_a_backend_missing_any_method_cannot_be_instantiated(missing):
     Partial = type("Partial", (LoRABackend,), {"name": "partial", **methods})
     with pytest.raises(TypeError, match=missing):
         Partial()
+
+
+@pytest.mark.parametrize("alias", ["run_qkv", "run_gate_up"])
+def test_run_qkv_and_run_gate_up_are_the_packed_op_under_its_callers_names(alias):
+    # one op, any number of slices: a backend implements run_packed and gets both names
+    methods = {name: (lambda self, *a, **k: None) for name in ABSTRACT - {"run_packed"}}
+    Packed = type("Packed", (LoRABackend,), {"name": "packed", **methods, "run_packed": lambda self, *a: a})
+    args = ("x", "a", "b", [0, 3, 6, 9, 12], "base")
+    assert getattr(Packed(), alias)(*args) == args
 
 
 def test_unknown_backend_names_the_installed_ones():

@@ -59,12 +59,16 @@ def test_init_graph_batch_info_is_refillable():
     assert info.token_slots.tolist()[:9] == [0, 0, 0, 1, 1, 1, 1, 1, -1]
 
 
-def test_errors_before_prepare_and_for_wrong_slice_counts():
+def test_errors_before_prepare_and_for_slice_counts_the_weights_do_not_fit():
     backend = TorchNativeBackend()
     with pytest.raises(RuntimeError, match="prepare_batch"):
         backend.run_lora_a(torch.randn(1, 4), torch.randn(1, 2, 4))
     backend.prepare_batch(backend.init_graph_batch_info(4, [2], [1.0]))
-    with pytest.raises(ValueError, match="run_qkv needs 3 slices"):
-        backend.run_qkv(torch.randn(4, 4), torch.randn(1, 6, 4), torch.randn(1, 8, 2), [0, 4, 8])
+    # the slice count is the offsets': A's rows must be that many ranks, and there is at least one slice
+    with pytest.raises(ValueError, match=r"weights dim 1 \(6\) is not num_slices \(4\) times a rank"):
+        backend.run_qkv(torch.randn(4, 4), torch.randn(1, 6, 4), torch.randn(1, 16, 2), [0, 4, 8, 12, 16])
+    for method in (backend.run_packed, backend.run_gate_up):
+        with pytest.raises(ValueError, match=r"slice_offsets must be increasing ints starting at 0.*got \[0\]"):
+            method(torch.randn(4, 4), torch.randn(1, 2, 4), torch.randn(1, 8, 2), [0])
     with pytest.raises(TypeError, match="must be a lora_core.BatchInfo"):
         backend.prepare_batch(object())

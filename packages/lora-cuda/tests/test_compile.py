@@ -246,6 +246,16 @@ def test_custom_ops_pass_opcheck(op):
         torch.library.opcheck(packet.default, call)
 
 
+@pytest.mark.parametrize("op", OPS)
+def test_custom_ops_have_no_python_wrapper_kernels(op):
+    """Regression: defined with ``torch.library.custom_op`` the ops got Python ``Autograd`` (and, for
+    ``expand_``, ``ADInplaceOrView``) kernels that ran on every call and made a compiled decode step
+    ~1.2x slower than the eager one (docs/compile.md). One kernel, for every backend, and none else."""
+    keys = ("Autograd", "AutogradCPU", "AutogradCUDA", "ADInplaceOrView", "CompositeExplicitAutograd")
+    registered = [k for k in keys if torch._C._dispatch_has_kernel_for_dispatch_key(op, k)]
+    assert registered == ["CompositeExplicitAutograd"]
+
+
 @NEEDS_CXX
 def test_inductor_compiles_the_graph_ops_in_every_dtype():
     """One inductor compile (slow on CPU) of shrink, expand and embedding in fp32, bf16 and fp16, the

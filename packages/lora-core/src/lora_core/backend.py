@@ -1,8 +1,9 @@
 """The backend interface every LoRA backend implements, and the registry that finds them.
 
-Every method is abstract: a backend that forgets one cannot be instantiated, so
-the upstream failure mode (a base-class method silently returning ``None`` and a
-crash far away) is impossible. Backends register under the ``lora_core.backends``
+Every op is abstract (``run_qkv`` and ``run_gate_up`` are :meth:`LoRABackend.run_packed`
+under the names vLLM- and SGLang-style callers use): a backend that forgets one
+cannot be instantiated, so the upstream failure mode (a base-class method silently
+returning ``None`` and a crash far away) is impossible. Backends register under the ``lora_core.backends``
 entry-point group; :func:`get_backend` returns the class by name.
 """
 
@@ -92,7 +93,6 @@ class LoRABackend(abc.ABC):
                 out[t, o_i : o_{i+1}] += x[t, i*R : i*R + r_t] @ weights[slot_t, o_i : o_{i+1}, :r_t].T
         """
 
-    @abc.abstractmethod
     def run_qkv(
         self,
         x: torch.Tensor,
@@ -101,11 +101,11 @@ class LoRABackend(abc.ABC):
         slice_offsets: SliceOffsets,
         base_output: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Packed q/k/v: ``a_weights (L, 3R, in)``, ``b_weights (L, q+k+v, R)``.
+        """Packed q/k/v (with any further parts, like an output gate): :meth:`run_packed`
+        under the name vLLM- and SGLang-style callers use. The slice count is
+        ``len(slice_offsets) - 1``, usually 3 (``a_weights (L, 3R, in)``, ``b_weights (L, q+k+v, R)``)."""
+        return self.run_packed(x, a_weights, b_weights, slice_offsets, base_output)
 
-        Semantics: ``run_lora_b(run_lora_a(x, a_weights, 3), b_weights, slice_offsets, base_output)``."""
-
-    @abc.abstractmethod
     def run_gate_up(
         self,
         x: torch.Tensor,
@@ -114,9 +114,9 @@ class LoRABackend(abc.ABC):
         slice_offsets: SliceOffsets,
         base_output: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Packed gate/up: ``a_weights (L, 2R, in)``, ``b_weights (L, gate+up, R)``.
-
-        Semantics: ``run_lora_b(run_lora_a(x, a_weights, 2), b_weights, slice_offsets, base_output)``."""
+        """Packed gate/up: :meth:`run_packed` under the name vLLM- and SGLang-style callers use;
+        usually 2 slices (``a_weights (L, 2R, in)``, ``b_weights (L, gate+up, R)``)."""
+        return self.run_packed(x, a_weights, b_weights, slice_offsets, base_output)
 
     @abc.abstractmethod
     def run_lm_head(
@@ -174,6 +174,25 @@ class LoRABackend(abc.ABC):
         """
 
     @abc.abstractmethod
+    def run_packed(
+        self,
+        x: torch.Tensor,
+        a_weights: torch.Tensor,
+        b_weights: torch.Tensor,
+        slice_offsets: SliceOffsets,
+        base_output: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Packed projection of ``c = len(slice_offsets) - 1 >= 1`` slices of any widths:
+        ``x (T, in)``, ``a_weights (L, c*R, in)``, ``b_weights (L, out_total, R)`` ->
+        ``(T, out_total)``, accumulated into ``base_output`` in place when given (and returned).
+
+        Semantics::
+
+            c = len(slice_offsets) - 1
+            run_lora_b(run_lora_a(x, a_weights, c), b_weights, slice_offsets, base_output)
+        """
+
+    @abc.abstractmethod
     def run_experts_lora(
         self,
         x: torch.Tensor,
@@ -222,7 +241,7 @@ class BatchInfoBackend(LoRABackend):
     """Shared plumbing for backends whose kernels take the batch info explicitly.
 
     Holds the current batch and builds the kernels' plans in :meth:`prepare_batch`;
-    implements every ``run_*`` method, the packed layers (qkv: 3 slices, gate_up: 2)
+    implements every ``run_*`` method, the packed projections (any number of slices)
     and the LM head as a shrink followed by an expand, and the added-token rows.
     Subclasses implement :meth:`plan_types`, :meth:`shrink`, :meth:`expand`,
     :meth:`embedding_shrink` and :meth:`experts_lora` (still abstract here).
@@ -286,12 +305,6 @@ class BatchInfoBackend(LoRABackend):
     def run_lora_b(self, x, weights, slice_offsets, base_output=None) -> torch.Tensor:
         return self.expand(x, weights, self.batch_info, slice_offsets, base_output)
 
-    def run_qkv(self, x, a_weights, b_weights, slice_offsets, base_output=None) -> torch.Tensor:
-        return self._run_packed("run_qkv", 3, x, a_weights, b_weights, slice_offsets, base_output)
-
-    def run_gate_up(self, x, a_weights, b_weights, slice_offsets, base_output=None) -> torch.Tensor:
-        return self._run_packed("run_gate_up", 2, x, a_weights, b_weights, slice_offsets, base_output)
-
     def run_lm_head(self, x, a_weights, b_weights, base_output=None, *, pruned: bool) -> torch.Tensor:
         view = self.batch_info.lm_head_view(pruned)
         shrunk = self.shrink(x, a_weights, view, 1)
@@ -310,14 +323,10 @@ class BatchInfoBackend(LoRABackend):
         rows = extra_embeddings[slots.clamp(min=0).long(), torch.where(is_added, added, 0).long()]  # (T, D)
         return base_output.copy_(torch.where(is_added[:, None], rows * scale, base_output))
 
-    def _run_packed(self, op, num_slices, x, a_weights, b_weights, slice_offsets, base_output):
-        offsets = normalize_slice_offsets(slice_offsets)
-        if len(offsets) != num_slices + 1:
-            raise ValueError(
-                f"{op} needs {num_slices} slices, i.e. {num_slices + 1} slice_offsets, got {len(offsets)}"
-            )
-        shrunk = self.run_lora_a(x, a_weights, num_slices)
-        return self.run_lora_b(shrunk, b_weights, slice_offsets, base_output)
+    def run_packed(self, x, a_weights, b_weights, slice_offsets, base_output=None) -> torch.Tensor:
+        offsets = normalize_slice_offsets(slice_offsets)  # the slice count comes from the call's offsets
+        shrunk = self.shrink(x, a_weights, self.batch_info, len(offsets) - 1)
+        return self.expand(shrunk, b_weights, self.batch_info, offsets, base_output)
 
     def run_experts_lora(self, x, expert_ids, a_weights, b_weights, base_output=None) -> torch.Tensor:
         return self.experts_lora(x, expert_ids, a_weights, b_weights, self.batch_info, base_output)

@@ -189,7 +189,7 @@ def normalize_slice_offsets(slice_offsets: Sequence[int] | torch.Tensor) -> tupl
             values = list(slice_offsets)
         except TypeError:
             values = None
-    if not values or values[0] != 0 or not all(is_int(v) for v in values):
+    if not values or len(values) < 2 or values[0] != 0 or not all(is_int(v) for v in values):  # >= 1 slice
         raise ValueError(f"slice_offsets must be increasing ints starting at 0, like [0, o1, ..., out], "
                          f"got {slice_offsets!r}")
     try:

@@ -25,19 +25,23 @@ the op plans the batch when it runs (the graph-safe kernels, whatever the
 batch: the control-flow ops' host loop would specialize the compiled code to
 one batch's segments). docs/compile.md has the rules.
 
-Ops (namespace ``lora_cuda``)::
+The ops are defined with ``torch.library.Library`` (their schemas below) and
+one ``CompositeExplicitAutograd`` kernel each, not with ``torch.library.custom_op``:
+that decorator wraps every call in Python (an autograd kernel, and for ``expand_``
+an ``ADInplaceOrView`` kernel that rebuilds the arguments to bump version
+counters), which made a compiled decode step slower than the eager one. These
+ops have no backward (:func:`~lora_cuda.graph_plans.batch_args` refuses inputs
+that require grad) and run under ``no_grad``/``inference_mode``, so neither
+wrapper did anything they need. docs/compile.md has the figures.
 
-    shrink(Tensor x, Tensor weights, SymInt batch_key, Tensor[] batch_host, SymInt num_slices,
-           str kernel) -> Tensor
-    expand_(Tensor x, Tensor weights, SymInt batch_key, Tensor[] batch_host, SymInt[] slice_offsets,
-            Tensor(a!) base_output, str kernel) -> ()
-    embedding_shrink(Tensor ids, Tensor weights, SymInt batch_key, Tensor[] batch_host,
-                     SymInt vocab_size, Tensor? extra_embeddings, bool strict_token_ids) -> Tensor
+Ops (namespace ``lora_cuda``): ``shrink``, ``expand_`` and ``embedding_shrink``, with the
+schemas of ``_SCHEMAS`` (docs/compile.md lists them).
 """
 
 from __future__ import annotations
 
 import threading
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -50,8 +54,30 @@ from .graph_plans import batch_args, batch_of_key
 
 __all__ = ["OPS", "compiled_embedding_shrink", "embedding_shrink", "expand_", "shrink"]
 
-OPS = ("lora_cuda::shrink", "lora_cuda::expand_", "lora_cuda::embedding_shrink")
+_LIB = torch.library.Library("lora_cuda", "DEF")
+_SCHEMAS = {
+    "shrink": "(Tensor x, Tensor weights, SymInt batch_key, Tensor[] batch_host, SymInt num_slices, str kernel)"
+              " -> Tensor",
+    "expand_": "(Tensor x, Tensor weights, SymInt batch_key, Tensor[] batch_host, SymInt[] slice_offsets,"
+               " Tensor(a!) base_output, str kernel) -> ()",
+    "embedding_shrink": "(Tensor ids, Tensor weights, SymInt batch_key, Tensor[] batch_host, SymInt vocab_size,"
+                        " Tensor? extra_embeddings, bool strict_token_ids) -> Tensor",
+}
+for _name, _schema in _SCHEMAS.items():
+    _LIB.define(_name + _schema)
+OPS = tuple(f"lora_cuda::{name}" for name in _SCHEMAS)
 """The qualified names of the custom ops."""
+
+
+def _register(name: str, fake: Callable[..., Any]) -> Callable[[Callable[..., Any]], Any]:
+    """Register the decorated function as op ``name``'s kernel for every backend and ``fake`` as
+    its fake implementation; the decorated name becomes the op (``torch.ops.lora_cuda.<name>``)."""
+    def register(kernel: Callable[..., Any]) -> Any:
+        _LIB.impl(name, kernel, "CompositeExplicitAutograd")
+        torch.library.register_fake(f"lora_cuda::{name}", fake, lib=_LIB)
+        return getattr(torch.ops.lora_cuda, name).default
+    return register
+
 
 _rebuilt = threading.local()  # the last eager batch planned from host mirrors, per thread
 
@@ -86,7 +112,13 @@ def _static(*tensors: torch.Tensor) -> bool:
     return all(isinstance(s, int) for t in tensors for s in t.shape)
 
 
-@torch.library.custom_op("lora_cuda::shrink", mutates_args=())
+def _shrink_fake(x, weights, batch_key, batch_host, num_slices, kernel):
+    if batch_key and _static(x, weights):  # shape errors at compile time, as an eager call raises them
+        check_lora_a_inputs(x, weights, batch_of_key(batch_key), num_slices)
+    return x.new_empty(x.shape[0], weights.shape[1])
+
+
+@_register("shrink", _shrink_fake)
 def shrink(x: torch.Tensor, weights: torch.Tensor, batch_key: int, batch_host: list[torch.Tensor],
            num_slices: int, kernel: str) -> torch.Tensor:
     """``lora_cuda.sgemm_lora_a_fwd`` (graph-safe kernels) for the batch ``batch_key`` / ``batch_host``."""
@@ -95,14 +127,12 @@ def shrink(x: torch.Tensor, weights: torch.Tensor, batch_key: int, batch_host: l
     return graph_shrink(x, weights, info, num_slices, check_graph_kernel(kernel))
 
 
-@shrink.register_fake
-def _shrink_fake(x, weights, batch_key, batch_host, num_slices, kernel):
-    if batch_key and _static(x, weights):  # shape errors at compile time, as an eager call raises them
-        check_lora_a_inputs(x, weights, batch_of_key(batch_key), num_slices)
-    return x.new_empty(x.shape[0], weights.shape[1])
+def _expand_fake(x, weights, batch_key, batch_host, slice_offsets, base_output, kernel):
+    if batch_key and _static(x, weights, base_output) and all(isinstance(o, int) for o in slice_offsets):
+        check_lora_b_inputs(x, weights, batch_of_key(batch_key), slice_offsets, base_output)
 
 
-@torch.library.custom_op("lora_cuda::expand_", mutates_args=("base_output",))
+@_register("expand_", _expand_fake)
 def expand_(x: torch.Tensor, weights: torch.Tensor, batch_key: int, batch_host: list[torch.Tensor],
             slice_offsets: list[int], base_output: torch.Tensor, kernel: str) -> None:
     """``lora_cuda.sgemm_lora_b_fwd`` (graph-safe kernels) accumulating into ``base_output`` in place."""
@@ -111,13 +141,14 @@ def expand_(x: torch.Tensor, weights: torch.Tensor, batch_key: int, batch_host: 
     graph_expand(x, weights, info, offsets, base_output, check_graph_kernel(kernel))
 
 
-@expand_.register_fake
-def _expand_fake(x, weights, batch_key, batch_host, slice_offsets, base_output, kernel):
-    if batch_key and _static(x, weights, base_output) and all(isinstance(o, int) for o in slice_offsets):
-        check_lora_b_inputs(x, weights, batch_of_key(batch_key), slice_offsets, base_output)
+def _embedding_shrink_fake(ids, weights, batch_key, batch_host, vocab_size, extra_embeddings, strict_token_ids):
+    extra = () if extra_embeddings is None else (extra_embeddings,)
+    if batch_key and _static(ids, weights, *extra) and isinstance(vocab_size, int):
+        check_embedding_inputs(ids, weights, batch_of_key(batch_key), vocab_size, extra_embeddings)
+    return weights.new_empty(ids.shape[0], weights.shape[1])
 
 
-@torch.library.custom_op("lora_cuda::embedding_shrink", mutates_args=())
+@_register("embedding_shrink", _embedding_shrink_fake)
 def embedding_shrink(ids: torch.Tensor, weights: torch.Tensor, batch_key: int, batch_host: list[torch.Tensor],
                      vocab_size: int, extra_embeddings: torch.Tensor | None, strict_token_ids: bool) -> torch.Tensor:
     """``lora_cuda.sgemm_lora_a_embedding_fwd`` (graph-safe kernel); ``strict_token_ids`` reads the
@@ -129,14 +160,6 @@ def embedding_shrink(ids: torch.Tensor, weights: torch.Tensor, batch_key: int, b
     if weights.numel() == 0:
         return weights.new_zeros(ids.shape[0], weights.shape[1])
     return graph_embedding_shrink(ids, weights, info, num_valid)
-
-
-@embedding_shrink.register_fake
-def _embedding_shrink_fake(ids, weights, batch_key, batch_host, vocab_size, extra_embeddings, strict_token_ids):
-    extra = () if extra_embeddings is None else (extra_embeddings,)
-    if batch_key and _static(ids, weights, *extra) and isinstance(vocab_size, int):
-        check_embedding_inputs(ids, weights, batch_of_key(batch_key), vocab_size, extra_embeddings)
-    return weights.new_empty(ids.shape[0], weights.shape[1])
 
 
 def compiled_embedding_shrink(ids: torch.Tensor, weights: torch.Tensor, batch_info: BatchInfo, vocab_size: int,

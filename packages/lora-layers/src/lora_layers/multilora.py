@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from lora_core import AdapterSlots, BatchInfo, LoRABackend, PeftAdapter, get_backend, load_peft_adapter
-from lora_core.checks import check_device
+from lora_core.checks import check_device, check_float_dtype
 
 from .batches import BatchCache
 from .graph_mode import GraphMode
@@ -39,16 +39,23 @@ __all__ = ["MultiLoRA"]
 
 
 def _placement(model: nn.Module, device: torch.device | str | None,
-               dtype: torch.dtype | None) -> tuple[torch.device, torch.dtype]:
-    """Device and dtype of the LoRA buffers: as given, else the model's (its first parameter's), else CPU float32."""
-    param = next(model.parameters(), None)
+               lora_dtype: torch.dtype | None) -> tuple[torch.device, torch.dtype]:
+    """Device and dtype of the LoRA buffers and math: as given, else the model's (its first
+    floating-point parameter's), else CPU float32."""
+    param = next((p for p in model.parameters() if p.is_floating_point()), None)
     device = check_device("device", device) if device is not None else (
         param.device if param is not None else torch.device("cpu"))
-    return device, dtype or (param.dtype if param is not None else torch.float32)
+    if lora_dtype is None:
+        return device, param.dtype if param is not None else torch.float32
+    if not isinstance(lora_dtype, torch.dtype) or not lora_dtype.is_floating_point:
+        raise TypeError("lora_dtype must be a floating-point torch.dtype (torch.float32, torch.float16 or "
+                        f"torch.bfloat16), got {lora_dtype!r}")
+    check_float_dtype("lora_dtype", lora_dtype)  # one the backends run: float64 is refused here, by name
+    return device, lora_dtype
 
 
 def _build_context(backend: str | LoRABackend, *, max_loras: int, max_rank: int, device: torch.device,
-                   dtype: torch.dtype, strict_token_ids: bool) -> LoRAContext:
+                   lora_dtype: torch.dtype, strict_token_ids: bool) -> LoRAContext:
     """The wrappers' shared context: the backend (built on ``device`` by name, or the
     instance given, which must run there) and the LoRA buffers' shape, dtype, device."""
     if isinstance(backend, str):
@@ -64,7 +71,7 @@ def _build_context(backend: str | LoRABackend, *, max_loras: int, max_rank: int,
                                              and backend_device.index != device.index):
         raise ValueError(f"backend runs on {backend_device} but the model's LoRA buffers live on {device}; "
                          f"build the backend with device={str(device)!r}")
-    return LoRAContext(backend_obj, num_slots=max_loras, max_rank=max_rank, dtype=dtype, device=device)
+    return LoRAContext(backend_obj, num_slots=max_loras, max_rank=max_rank, dtype=lora_dtype, device=device)
 
 
 class MultiLoRA:
@@ -90,6 +97,13 @@ class MultiLoRA:
         slice_widths: explicit widths of packed modules, when they cannot be inferred.
         lm_head_modules: names (full, or last component) wrapped as LM heads (accept
             every token or one per request).
+        device: where the LoRA buffers live; default: the model's.
+        lora_dtype: the dtype of the LoRA buffers and of the shrink/expand math
+            (``torch.float32``, ``torch.float16`` or ``torch.bfloat16``); default: the
+            model's. Adapters are stored in it (an fp32 adapter stays fp32 on a bf16
+            model with ``lora_dtype=torch.float32``); each wrapped layer converts its
+            activations to it once per call and adds the delta to its base output in
+            the base layer's dtype, so the model's output dtype never changes.
         strict_token_ids: the backend's option of that name: out-of-vocabulary token
             ids raise ``ValueError`` naming them instead of getting a zero delta
             (eager calls only). A backend built by name is built with it; a backend
@@ -111,18 +125,18 @@ class MultiLoRA:
         slice_widths: Mapping[str, Sequence[int]] | None = None,
         lm_head_modules: Sequence[str] = ("lm_head",),
         device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
+        lora_dtype: torch.dtype | None = None,
         strict_token_ids: bool = False,
         eviction: str | None = None,
     ) -> None:
         check_eviction(eviction)
         if isinstance(target_modules, str):
             raise TypeError(f"target_modules must be a list of names, got the string {target_modules!r}")
-        device, dtype = _placement(model, device, dtype)
+        device, lora_dtype = _placement(model, device, lora_dtype)
         self.model = model
         self._slot_table = SlotTable(max_loras, max_rank, eviction=eviction, on_change=self._sync_adapters)
         self.context = _build_context(backend, max_loras=max_loras, max_rank=max_rank, device=device,
-                                      dtype=dtype, strict_token_ids=strict_token_ids)
+                                      lora_dtype=lora_dtype, strict_token_ids=strict_token_ids)
         self._targets = TargetModules(model, self.context, packed_modules=packed_modules,
                                       slice_widths=slice_widths, lm_head_modules=lm_head_modules)
         self._batches = BatchCache(self.context.device)
@@ -159,7 +173,7 @@ class MultiLoRA:
             lm_head_modules: default: the model's output embedding
                 (``get_output_embeddings()``), else ``lm_head``.
             options: the other keyword arguments of :class:`MultiLoRA` (``packed_modules``,
-                ``device``, ``dtype``, ``eviction``, ...).
+                ``device``, ``lora_dtype``, ``eviction``, ...).
 
         Adapters loaded later with :meth:`load_adapter` wrap the further modules
         they target, too (eager mode; their other slots hold zeros).
@@ -197,6 +211,11 @@ class MultiLoRA:
     def wrapped(self) -> dict[str, LayerKind]:
         """The wrapped modules by full name (each a wrapper around its ``base_layer``)."""
         return self._targets.wrapped
+
+    @property
+    def lora_dtype(self) -> torch.dtype:
+        """The dtype of the LoRA buffers and math (the ``lora_dtype`` argument, or the model's)."""
+        return self.context.dtype
 
     @property
     def packed_modules(self) -> dict[str, list[str]]:

@@ -17,7 +17,7 @@ from .cases import (
     random_ranks,
     random_requests,
 )
-from .compiled import COMPILE_BACKEND, CompiledReplay, compile_capture
+from .compiled import COMPILE_BACKEND, CompileCapture, CompiledReplay, compile_capture, fastest_compile_backend
 from .device_type import DeviceProbe, DeviceType
 from .harness import TestDevice, clone_outputs, make_device
 from .registry import device_type, device_types, probe_device
@@ -30,6 +30,7 @@ __all__ = [
     "random_batch_pair",
     "COMPILE_BACKEND",
     "CaptureError",
+    "CompileCapture",
     "CompiledReplay",
     "DEVICE_NAMES",
     "DEVICE_TYPES",
@@ -47,6 +48,7 @@ __all__ = [
     "device_types",
     "clone_outputs",
     "compile_capture",
+    "fastest_compile_backend",
     "count_launches",
     "fill_embedding_garbage",
     "fill_linear_garbage",

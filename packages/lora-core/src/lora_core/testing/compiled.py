@@ -14,12 +14,35 @@ import torch
 
 from .device_type import DeviceProbe, DeviceType, Replay
 
-__all__ = ["COMPILE_BACKEND", "CompileCapture", "CompiledReplay", "compile_capture"]
+__all__ = ["COMPILE_BACKEND", "CompileCapture", "CompiledReplay", "compile_capture", "fastest_compile_backend"]
 
 
 COMPILE_BACKEND = "aot_eager"
 """The ``torch.compile`` backend of the compile device kinds: tracing, fake tensors and
 functionalization as every backend has them, without inductor's code generation (fast)."""
+
+
+def fastest_compile_backend(device_type: str) -> tuple[str, str]:
+    """The ``torch.compile`` backend that gives the fastest code on ``device_type`` here, and why.
+
+    ``"inductor"`` where it can generate code: on ``"cpu"`` it needs the C++ compiler it
+    would use (``torch._inductor.cpp_builder.get_cpp_compiler``: ``$CXX`` or ``g++``/``clang++``
+    on ``PATH``), on ``"cuda"`` Triton. Elsewhere ``"aot_eager"`` (traced and functionalized,
+    run op by op), with the reason. The test kinds keep :data:`COMPILE_BACKEND` (fast to
+    compile); timings use this.
+    """
+    if device_type == "cpu":
+        try:
+            from torch._inductor.cpp_builder import get_cpp_compiler
+
+            return "inductor", f"C++ compiler {get_cpp_compiler()}"
+        except Exception as exc:  # inductor's search raises its own error type when none is found
+            return "aot_eager", f"inductor needs a C++ compiler on CPU: {str(exc).splitlines()[0]}"
+    if device_type == "cuda":
+        from torch.utils._triton import has_triton
+
+        return ("inductor", "Triton") if has_triton() else ("aot_eager", "inductor needs Triton on CUDA")
+    return "aot_eager", f"inductor does not generate {device_type} code"
 
 
 def _copy_outputs(static: Any, new: Any) -> None:

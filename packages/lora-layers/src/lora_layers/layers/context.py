@@ -19,7 +19,14 @@ F = TypeVar("F", bound=Callable)
 class LoRAContext:
     """The backend (which also holds the current batch and the ops' options, such as
     ``strict_token_ids``), and the slot count, max rank, dtype and device of the
-    layers' LoRA buffers: what every wrapper of one model shares."""
+    layers' LoRA buffers: what every wrapper of one model shares.
+
+    ``dtype`` is the LoRA dtype: the buffers' and the shrink/expand math's. It may
+    differ from the base layers' dtype (fp32 adapters on a bf16 model): a wrapper
+    then converts its activations once (:meth:`to_lora_dtype`), lets the backend write
+    the delta apart (:meth:`lora_output`) and adds it in the base output's dtype
+    (:meth:`add_delta`).
+    """
 
     def __init__(self, backend: LoRABackend, *, num_slots: int, max_rank: int, dtype: torch.dtype,
                  device: torch.device | str) -> None:
@@ -30,6 +37,21 @@ class LoRAContext:
         self.max_rank = max_rank
         self.dtype = dtype
         self.device = check_device("device", device)
+
+    def to_lora_dtype(self, x: torch.Tensor) -> torch.Tensor:
+        """Activations ``x`` in the LoRA dtype (``x`` itself when it has it)."""
+        return x if x.dtype == self.dtype else x.to(self.dtype)
+
+    def lora_output(self, base_output: torch.Tensor) -> torch.Tensor | None:
+        """What a backend op accumulates its delta into: ``base_output`` itself when it has
+        the LoRA dtype (in place, no copy), else ``None`` (the op returns the delta)."""
+        return base_output if base_output.dtype == self.dtype else None
+
+    def add_delta(self, base_output: torch.Tensor, result: torch.Tensor) -> torch.Tensor:
+        """``base_output`` with the delta added (in place; returned), given ``result``, the op's
+        output for :meth:`lora_output`: already the sum, or the delta, added here in
+        ``base_output``'s dtype."""
+        return result if base_output.dtype == self.dtype else base_output.add_(result)
 
 
 @dataclass(frozen=True)

@@ -98,13 +98,15 @@ class EmbeddingWithLoRA(nn.Module):
         in_shard = (local_ids >= 0) & (local_ids < local_vocab)
         base = self.base_layer(torch.where(in_shard, local_ids, 0)) * in_shard[:, None]
         scale = getattr(self.base_layer, "embed_scale", None)
-        if self.buffers.extra is not None:
-            base = backend.run_added_tokens(flat, self.buffers.extra, self.vocab_size, base,
+        if self.buffers.extra is not None:  # base rows: in the base layer's dtype
+            base = backend.run_added_tokens(flat, self.buffers.extra.to(base.dtype), self.vocab_size, base,
                                             1.0 if scale is None else scale)
         base = self.tp.all_reduce(base)
         shrunk = self.tp.all_reduce(backend.run_lora_a_embedding(local_ids, self.buffers.a, local_vocab,
                                                                  self.buffers.extra))
         if scale is not None:
             shrunk = shrunk * scale
-        out = backend.run_lora_b(shrunk, self.buffers.b, (0, self.base_layer.embedding_dim), base)
+        ctx = self.context
+        out = ctx.add_delta(base, backend.run_lora_b(shrunk, self.buffers.b, (0, self.base_layer.embedding_dim),
+                                                     ctx.lora_output(base)))
         return out.reshape(*lead, out.shape[-1])

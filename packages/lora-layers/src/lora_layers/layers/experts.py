@@ -103,6 +103,14 @@ class ExpertsWithLoRA(nn.Module):
         self.gate_up.clear(slot)
         self.down.clear(slot)
 
+    def _add_lora(self, x: torch.Tensor, expert_ids: torch.Tensor, buffers: ExpertLoRABuffers,
+                  base_output: torch.Tensor) -> torch.Tensor:
+        """``base_output`` plus the delta of one parameter, the math in the LoRA dtype (``context.dtype``)."""
+        ctx = self.context
+        result = ctx.backend.run_experts_lora(ctx.to_lora_dtype(x), expert_ids, buffers.a, buffers.b,
+                                              ctx.lora_output(base_output))
+        return ctx.add_delta(base_output, result)
+
     def _gate(self, gate_up: torch.Tensor) -> torch.Tensor:
         apply_gate = getattr(self.base_layer, "_apply_gate", None)
         if callable(apply_gate):
@@ -117,11 +125,11 @@ class ExpertsWithLoRA(nn.Module):
         T, K = top_k_index.shape
         graph_safe = backend.batch_info.use_graph or is_capturing() or torch.compiler.is_compiling()
         x = hidden_states.reshape(T, self.hidden_size)[:, None, :].expand(T, K, self.hidden_size)
-        h = expert_projection(x, top_k_index, base.gate_up_proj, graph_safe=graph_safe)
-        h = backend.run_experts_lora(x, top_k_index, self.gate_up.a, self.gate_up.b, h)
+        h = self._add_lora(x, top_k_index, self.gate_up,
+                           expert_projection(x, top_k_index, base.gate_up_proj, graph_safe=graph_safe))
         mid = self._gate(h)
-        y = expert_projection(mid, top_k_index, base.down_proj, graph_safe=graph_safe)
-        y = backend.run_experts_lora(mid, top_k_index, self.down.a, self.down.b, y)
+        y = self._add_lora(mid, top_k_index, self.down,
+                           expert_projection(mid, top_k_index, base.down_proj, graph_safe=graph_safe))
         picked = (top_k_index >= 0) & (top_k_index < self.num_experts)
         weights = torch.where(picked, top_k_weights, 0)
         return (y * weights[..., None]).sum(1).to(hidden_states.dtype)

@@ -1,4 +1,4 @@
-"""``LinearWithLoRA``: a replicated ``nn.Linear`` (plain, or packed qkv / gate_up)."""
+"""``LinearWithLoRA``: a replicated ``nn.Linear`` (plain, or packed: qkv, gate_up, any parts)."""
 
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ SliceWeights = tuple[torch.Tensor, torch.Tensor]
 
 
 class LinearWithLoRA(nn.Module):
-    """A replicated ``nn.Linear`` with LoRA; with 2 or 3 ``slice_widths`` it is a
-    packed gate_up / qkv projection whose adapters come per slice.
+    """A replicated ``nn.Linear`` with LoRA; with several ``slice_widths`` it is a packed
+    projection (gate_up, qkv, or any number of parts) whose adapters come per slice.
 
     ``forward``: ``x (..., in)`` -> ``base(x) + delta`` of shape ``(..., out)``; the
     flattened token count must match the backend's batch.
@@ -114,12 +114,10 @@ class LinearWithLoRA(nn.Module):
         return self.base_layer(x)
 
     def _lora(self, x: torch.Tensor, base_output: torch.Tensor) -> torch.Tensor:
-        backend, buf = self.context.backend, self.buffers
-        if self.num_slices == 3:
-            return backend.run_qkv(x, buf.a, buf.b, buf.slice_offsets, base_output)
-        if self.num_slices == 2:
-            return backend.run_gate_up(x, buf.a, buf.b, buf.slice_offsets, base_output)
-        return backend.run_lora_b(backend.run_lora_a(x, buf.a), buf.b, buf.slice_offsets, base_output)
+        ctx, buf = self.context, self.buffers
+        delta_into = ctx.lora_output(base_output)
+        return ctx.add_delta(base_output, ctx.backend.run_packed(ctx.to_lora_dtype(x), buf.a, buf.b,
+                                                                 buf.slice_offsets, delta_into))
 
     def _finish(self, out: torch.Tensor) -> torch.Tensor:
         return out

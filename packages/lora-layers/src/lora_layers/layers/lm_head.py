@@ -43,6 +43,8 @@ class LMHeadWithLoRA(ColumnParallelLinearWithLoRA):
                 f"LMHeadWithLoRA got {x2.shape[0]} rows; expected every token ({info.num_tokens}) or the last "
                 f"token of each request ({info.lm_head_view(pruned=True).num_tokens})"
             )
-        buf = self.buffers
-        out = self.context.backend.run_lm_head(x2, buf.a, buf.b, self._base(x2), pruned=pruned)
+        ctx, buf = self.context, self.buffers
+        base = self._base(x2)
+        out = ctx.add_delta(base, ctx.backend.run_lm_head(ctx.to_lora_dtype(x2), buf.a, buf.b, ctx.lora_output(base),
+                                                          pruned=pruned))
         return self._finish(out).reshape(*lead, -1)

@@ -31,7 +31,8 @@ class RowParallelLinearWithLoRA(LinearWithLoRA):
         return self.tp.all_reduce(F.linear(x, self.base_layer.weight))
 
     def _lora(self, x: torch.Tensor, base_output: torch.Tensor) -> torch.Tensor:
-        backend, buf = self.context.backend, self.buffers
-        shrunk = self.tp.all_reduce(backend.run_lora_a(x, buf.a))
-        out = backend.run_lora_b(shrunk, buf.b, buf.slice_offsets, base_output)
+        ctx, buf = self.context, self.buffers
+        shrunk = self.tp.all_reduce(ctx.backend.run_lora_a(ctx.to_lora_dtype(x), buf.a))
+        out = ctx.add_delta(base_output, ctx.backend.run_lora_b(shrunk, buf.b, buf.slice_offsets,
+                                                                ctx.lora_output(base_output)))
         return out if self.base_layer.bias is None else out.add_(self.base_layer.bias)

@@ -40,7 +40,7 @@ from .checks import (
 )
 from .errors import UsageError
 from .report import format_devices, format_header, format_rows, to_json, write_plot
-from .run import ROUNDS, run_simulation
+from .run import COMPILE_BACKENDS, ROUNDS, check_compile_backend, run_simulation
 from .serving import build_multilora
 from lora_core.testing.timing import machine_info
 from .workload import DEFAULT_CONFIG, Workload, default_workload
@@ -71,15 +71,12 @@ stderr as the rows finish (none with --quiet or --json -).
 
 --model-config: a JSON file or inline JSON object of the model's sizes, either
 lora-sim's own keys (vocab_size, hidden_size, intermediate_size, num_hidden_layers,
-num_attention_heads, num_key_value_heads, fused, seed, num_experts,
-num_experts_per_tok; the rest keep the default) or a transformers config.json (it
-has model_type or architectures): its vocab_size, hidden_size, intermediate_size,
-num_hidden_layers, num_attention_heads, num_key_value_heads, num_experts_per_tok
-and Mixtral's num_local_experts are used, every other key is ignored (a note on
-stderr says which). num_experts > 0 makes the MLP a mixture of experts (Mixtral's
-layout), whose adapters target the experts' gate_up_proj / down_proj
-(target_parameters; docs/moe.md). --adapter adapters are served at the largest
-rank among them.
+num_attention_heads, num_key_value_heads, fused, seed, num_experts (> 0: a Mixtral
+MoE MLP, docs/moe.md), num_experts_per_tok; the rest keep the default) or a
+transformers config.json (it has model_type or architectures): the sizes among those
+keys (not fused or seed; Mixtral's num_local_experts as num_experts) are used, every
+other key is ignored (a note on stderr says which). --adapter adapters are served at
+the largest rank among them.
 
 limits (checked before anything runs; bad input exits 2 with one line):
   --decode-steps 1-{MAX_DECODE_STEPS}; --rounds {MIN_ROUNDS}-{MAX_ROUNDS}
@@ -120,7 +117,7 @@ TRANSFORMERS_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidd
 
 OPTION_COMMANDS: dict[str, tuple[str, ...]] = {
     **{dest: ("run",) for dest in ("adapter", "model_config", "backend", "device", "decode_steps", "rounds", "json",
-                                   "plot", "max_memory_gib")},
+                                   "plot", "max_memory_gib", "compile_backend")},
     "smoke": ("bench",),
     "quiet": ("run", "bench"),
 }
@@ -218,11 +215,9 @@ def _load_adapters(specs: Sequence[str]) -> dict[str, tuple[Path, int]]:
             raise UsageError(f"--adapter {name}: {path} is a file; give the PEFT adapter's directory (the one "
                              f"holding adapter_config.json and adapter_model.safetensors){hint}")
         try:
-            adapter = load_peft_adapter(directory)
-            # target_parameters are named by the model (checked with it later): their ranks are declared ones
+            adapter = load_peft_adapter(directory)  # target_parameters: named by the model later, declared ranks
             declared = [adapter.config["r"], *(adapter.config.get("rank_pattern") or {}).values()]
-            rank = max(m.rank for m in adapter.modules.values()) if not adapter.parameter_pairs else \
-                max([*(m.rank for m in adapter.modules.values()), *declared])
+            rank = max([m.rank for m in adapter.modules.values()] + (declared if adapter.parameter_pairs else []))
         except Exception as err:  # whatever a bad adapter raises, it is bad input: one line
             message = str(err) if str(path) in str(err) else f"{path}: {err}"
             raise UsageError(f"--adapter {name}: {one_line(message)}") from None
@@ -286,6 +281,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"timed rounds of prefill and of decode, {MIN_ROUNDS} to {MAX_ROUNDS} (default {ROUNDS})")
     parser.add_argument("--max-memory-gib", type=float_in(0, 65536), metavar="GIB",
                         help=f"refuse a run estimated to need more memory than this (default {MAX_MEMORY_GIB:g})")
+    parser.add_argument("--compile-backend", choices=COMPILE_BACKENDS,
+                        help="torch.compile backend of the compile devices' decode step (default auto: inductor "
+                             "where it can generate code, i.e. a C++ compiler on CPU or Triton on CUDA, else "
+                             "aot_eager; the table says which)")
     parser.add_argument("--json", metavar="PATH", help="write the full results, per-round samples included, as JSON "
                         "('-': on stdout, instead of the table)")
     parser.add_argument("--plot", metavar="PATH", help="write a chart of throughput and overhead "
@@ -314,6 +313,7 @@ class RunPlan:
     plot_path: Path | None
     progress: bool
     memory: MemoryEstimate
+    compile_backend: str = "auto"
 
 
 def check_run(args: argparse.Namespace) -> RunPlan:
@@ -327,6 +327,7 @@ def check_run(args: argparse.Namespace) -> RunPlan:
         if plot_path == json_path or (isinstance(json_path, Path) and plot_path.resolve() == json_path.resolve()):
             raise UsageError("--plot and --json name the same file; give two paths")
         check_plot_support(plot_path)
+    compile_backend = check_compile_backend(args.compile_backend, devices)
     config, note = read_model_config(args.model_config)
     given = _load_adapters(args.adapter) if args.adapter else None
     ranks = [rank for _, rank in given.values()] if given else [spec[0] for spec in SYNTHETIC_ADAPTERS.values()]
@@ -346,7 +347,7 @@ def check_run(args: argparse.Namespace) -> RunPlan:
     return RunPlan(backends=backends, devices=devices, config=config, note=note, adapters=adapters,
                    decode_steps=Workload.decode_steps if args.decode_steps is None else args.decode_steps,
                    rounds=ROUNDS if args.rounds is None else args.rounds, json_path=json_path, plot_path=plot_path,
-                   progress=not args.quiet and json_path != "-", memory=memory)
+                   progress=not args.quiet and json_path != "-", memory=memory, compile_backend=compile_backend)
 
 
 def _run(plan: RunPlan) -> int:
@@ -364,7 +365,7 @@ def _run(plan: RunPlan) -> int:
             adapters = plan.adapters
         workload = dataclasses.replace(default_workload(list(adapters)), decode_steps=plan.decode_steps)
         rows = run_simulation(plan.backends, plan.devices, config, adapters, workload, progress=plan.progress,
-                              rounds=plan.rounds)
+                              rounds=plan.rounds, compile_backend=plan.compile_backend)
     machine = machine_info()
     document = to_json(config, workload, rows, plan.rounds, machine)
     if plan.json_path == "-":

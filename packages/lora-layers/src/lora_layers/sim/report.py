@@ -31,14 +31,15 @@ def _percent(x: float) -> str:
 
 
 def format_compiled_decode(row: SimRow) -> str:
-    """The "compiled decode" cell: on a compile device, the compiles and recompiles of the
-    decode step and its tokens/s (median); empty on the other devices."""
+    """The "compiled decode" cell: on a compile device, the compile backend, the seconds the
+    compile took, the compiles and recompiles of the decode step and its tokens/s (median);
+    empty on the other devices."""
     c = row.compiled_decode
     if not c:
         return ""
     compiles = "compiled once" if c["compiles"] == 1 else f"{c['compiles']} compiles"
     speed = f", {_count(row.decode_tokens_per_s.median)} tok/s" if row.decode_tokens_per_s is not None else ""
-    return f"{compiles}, {c['recompiles']} recompiles{speed}"
+    return f"{c['backend']}: {compiles} in {c['compile_s']:.1f} s, {c['recompiles']} recompiles{speed}"
 
 
 def format_rows(rows: Sequence[SimRow]) -> str:

@@ -22,22 +22,57 @@ import torch
 
 from lora_core.testing import (
     CaptureError,
-    CompiledReplay,
+    CompileCapture,
+    compile_capture,
     count_launches,
+    device_type,
+    fastest_compile_backend,
     make_device,
     probe_device,
 )
 
 from ..models import TinyConfig, TinyDecoder
+from .errors import UsageError
 from .reference import ScaledCheck, merged_reference_models, reference_logits
 from .serving import build_multilora
 from lora_core.testing.timing import Interleaved, Spread, sync_device
 from .workload import Workload
 
-__all__ = ["ROUNDS", "SimRow", "run_row", "run_simulation"]
+__all__ = ["COMPILE_BACKENDS", "ROUNDS", "SimRow", "check_compile_backend", "compile_backend_for", "run_row",
+           "run_simulation"]
 
 ROUNDS = 5
 """Timed rounds per phase (prefill, decode) by default."""
+COMPILE_BACKENDS = ("auto", "inductor", "aot_eager")
+"""``--compile-backend`` choices: ``auto`` is :func:`~lora_core.testing.fastest_compile_backend`'s pick."""
+
+
+def compile_backend_for(choice: str, device_type: str) -> tuple[str, str]:
+    """The ``torch.compile`` backend a compile row uses on ``device_type`` for ``choice`` (one of
+    :data:`COMPILE_BACKENDS`), and why; ``ValueError`` when ``inductor`` is asked for where it
+    cannot generate code."""
+    if choice not in COMPILE_BACKENDS:
+        raise ValueError(f"compile backend must be one of {', '.join(COMPILE_BACKENDS)}, got {choice!r}")
+    fastest, why = fastest_compile_backend(device_type)
+    if choice == "auto":
+        return fastest, why
+    if choice == "inductor" and fastest != "inductor":
+        raise ValueError(f"inductor cannot compile for {device_type} here ({why})")
+    return choice, "asked for"
+
+
+def check_compile_backend(choice: str | None, devices: Sequence[str]) -> str:
+    """``--compile-backend`` (``None``: ``auto``), checked against the compile devices of ``devices``
+    that are present: :class:`UsageError` where ``inductor`` cannot compile for one."""
+    choice = choice or "auto"
+    kinds = [device_type(name) for name in devices] if choice == "inductor" else []
+    for kind in kinds:
+        if isinstance(kind, CompileCapture) and probe_device(kind.name).available:
+            try:
+                compile_backend_for(choice, torch.device(kind.torch_device).type)
+            except ValueError as err:
+                raise UsageError(f"--compile-backend inductor: {err}") from None
+    return choice
 
 
 @dataclass
@@ -52,10 +87,11 @@ class SimRow:
     ``(prefill + one decode step) / (the same on the base model) - 1``.
     ``details["seconds"]`` holds the raw per-round seconds. On a compile device
     (``cpu-compile``, ``cuda-compile``) the decode step is ``torch.compile(fullgraph=True)``
-    and ``compiled_decode`` says how it went: ``{"backend", "compiles", "recompiles",
-    "steps"}`` (graphs compiled, compiles after the first, compiled steps served; any
-    recompile fails the row, so a row that ran has 1 and 0), and ``decode_tokens_per_s``
-    is the compiled step's.
+    and ``compiled_decode`` says how it went: ``{"backend", "why", "compile_s", "compiles",
+    "recompiles", "steps"}`` (the compile backend and why it was chosen, the seconds of the
+    first call, which compiles, warm-up included; graphs compiled, compiles after the first,
+    compiled steps served; any recompile fails the row, so a row that ran has 1 and 0), and
+    ``decode_tokens_per_s`` is the compiled step's.
     """
 
     backend: str
@@ -142,7 +178,8 @@ def _time_decode(steps: Mapping[str, Callable[[], torch.Tensor]], step_ids: torc
 
 
 def run_row(backend: str, device_name: str, config: TinyConfig, adapter_paths: Mapping[str, Path],
-            workload: Workload, references: Mapping[str | None, TinyDecoder], rounds: int = ROUNDS) -> SimRow:
+            workload: Workload, references: Mapping[str | None, TinyDecoder], rounds: int = ROUNDS,
+            compile_backend: str = "auto") -> SimRow:
     """Serve ``workload`` with ``backend`` on device ``device_name`` and check and time it.
 
     Prefill (eager in every mode), then ``rounds`` rounds of the LoRA and the base
@@ -150,7 +187,8 @@ def run_row(backend: str, device_name: str, config: TinyConfig, adapter_paths: M
     devices compiled) once, with the batch in graph mode; then
     ``rounds`` rounds of ``workload.decode_steps`` greedy steps from the prefill's
     tokens, a different adapter mix each step, the LoRA and the base model
-    interleaved step by step. Every timed output is checked.
+    interleaved step by step. Every timed output is checked. ``compile_backend``: see
+    :func:`compile_backend_for`.
     """
     probe = probe_device(device_name)
     if not probe.available:
@@ -188,24 +226,26 @@ def run_row(backend: str, device_name: str, config: TinyConfig, adapter_paths: M
             mlora.enable_graph(B)
         mlora.set_batch([1] * B, adapters)
         launches = count_launches(model, step_ids).ops
-        step, verdict, replay = (lambda: model(step_ids)), "eager", None
-        if device.is_graph:
+        step, verdict, compiled = (lambda: model(step_ids)), "eager", None
+        if isinstance(device.device_type, CompileCapture):
+            compiler, why = compile_backend_for(compile_backend, torch.device(dev).type)
+            started = time.perf_counter()
+            static_out, replay = compile_capture(model, step_ids, backend=compiler, sync=sync)
+            compiled = {"backend": compiler, "why": why, "compile_s": time.perf_counter() - started}
+            step, verdict = _replayer(static_out, replay), f"compiled (fullgraph, {compiler})"
+        elif device.is_graph:
             try:
                 static_out, replay = device.capture(model, step_ids)
             except CaptureError as err:
                 return SimRow(backend, device_name, "fail", reason=str(err), graph_safety=f"unsafe: {err}")
             step = _replayer(static_out, replay)
-            verdict = ("safe (strict simulated capture)" if device.simulated
-                       else f"compiled (fullgraph, {device.device_type.compile_backend})"
-                       if isinstance(replay, CompiledReplay) else "captured")
+            verdict = "safe (strict simulated capture)" if device.simulated else "captured"
         decode = _time_decode({"lora": step, "base": lambda: base_model(step_ids)}, step_ids, first_ids,
                               lambda mix: mlora.set_batch([1] * B, mix), want_step, adapters,
                               workload.decode_steps, rounds, sync, check)
     mlora.unwrap()
-    compiled = None
-    if isinstance(replay, CompiledReplay):
-        compiled = {"backend": device.device_type.compile_backend, "compiles": replay.compiles,
-                    "recompiles": replay.recompiles, "steps": replay.replays}
+    if compiled is not None:
+        compiled.update(compiles=replay.compiles, recompiles=replay.recompiles, steps=replay.replays)
     seconds = {"prefill": prefill.samples,
                "decode_step": {k: _chunks(v, workload.decode_steps) for k, v in decode.samples.items()}}
     return SimRow(backend, device_name, "pass" if check.ok else "fail", max_abs_error=check.max_error,
@@ -216,7 +256,7 @@ def run_row(backend: str, device_name: str, config: TinyConfig, adapter_paths: M
 
 def run_simulation(backends: Sequence[str], devices: Sequence[str], config: TinyConfig,
                    adapter_paths: Mapping[str, Path], workload: Workload, progress: bool = True,
-                   rounds: int = ROUNDS) -> list[SimRow]:
+                   rounds: int = ROUNDS, compile_backend: str = "auto") -> list[SimRow]:
     """One :func:`run_row` per backend x device, in that order; a row that raises
     ``ValueError``/``RuntimeError``/``TypeError`` becomes an ``"error"`` row.
 
@@ -234,7 +274,8 @@ def run_simulation(backends: Sequence[str], devices: Sequence[str], config: Tiny
         if say:
             say.start(f"{backend} / {device_name}")
         try:
-            rows.append(run_row(backend, device_name, config, adapter_paths, workload, references, rounds))
+            rows.append(run_row(backend, device_name, config, adapter_paths, workload, references, rounds,
+                                compile_backend))
         except (ValueError, RuntimeError, TypeError) as err:
             rows.append(SimRow(backend, device_name, "error", reason=f"{type(err).__name__}: {err}"))
         if say:
