@@ -5,10 +5,11 @@ each row of a mixed batch (three adapters of different ranks and targets, and a
 base-model row) equals PEFT's output for that row with only its adapter loaded, or
 the base model for the base row. Mixtral, Qwen3-MoE and Qwen2-MoE (whose experts are
 transformers' fused ``gate_up_proj`` / ``down_proj``; Qwen2-MoE's shared expert, an
-ordinary MLP, targeted as modules) in fp32 at the fp32 tolerance
-and Mixtral in bf16 at the bf16 one; greedy ``generate()`` with left padding; a
-graph-mode forward (captured with batch A, replayed with batch B) equal to eager;
-and ``examples/bench_moe.py --smoke`` checks and times every variant.
+ordinary MLP, targeted as modules) in fp32 at the fp32 tolerance, and Mixtral in
+bf16 at the bf16 one (LoRA in bf16, and in fp32 with ``lora_dtype``); greedy
+``generate()`` with left padding; a graph-mode forward (captured with batch A,
+replayed with batch B) equal to eager; and ``examples/bench_moe.py --smoke`` checks
+and times every variant.
 """
 
 import copy
@@ -106,9 +107,9 @@ def _per_row(base, single, fn):
     return [fn(single[name] if name else base) for name in ROUTE]
 
 
-def _served(base, paths, backend, dtype=torch.float32):
+def _served(base, paths, backend, dtype=torch.float32, **options):
     model = copy.deepcopy(base).to(dtype)
-    return model, MultiLoRA.from_adapters(model, paths, backend=backend)  # the LoRA dtype: the model's
+    return model, MultiLoRA.from_adapters(model, paths, backend=backend, **options)
 
 
 @pytest.mark.parametrize("backend", available_backends())
@@ -148,11 +149,14 @@ def test_greedy_generate_with_left_padding_equals_each_rows_peft_generate(served
 
 
 @pytest.mark.parametrize("backend", available_backends())
-def test_bf16_logits_are_within_the_bf16_tolerance(backend, served):
+@pytest.mark.parametrize("lora_dtype", [None, torch.float32], ids=["lora-bf16", "lora-fp32"])
+def test_bf16_logits_are_within_the_bf16_tolerance(backend, lora_dtype, served):
     kind, base, paths, single = served
     if kind != "mixtral":
         pytest.skip("one model family is enough for the bf16 tolerance")
-    model, mlora = _served(base, paths, backend, torch.bfloat16)
+    model, mlora = _served(base, paths, backend, torch.bfloat16, lora_dtype=lora_dtype)
+    assert all(m.gate_up.a.dtype == (lora_dtype or torch.bfloat16)
+               for m in mlora.wrapped.values() if isinstance(m, ExpertsWithLoRA))
     ids, mask = _inputs()
     with torch.no_grad(), mlora.route(ROUTE):
         got = model(input_ids=ids, attention_mask=mask).logits
