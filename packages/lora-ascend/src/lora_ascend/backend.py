@@ -8,6 +8,7 @@ import torch
 
 from lora_core import BatchInfo, BatchInfoBackend, BatchPlan
 from lora_cuda.dora_ops import dora_scale_fwd
+from lora_cuda.expert_ops import experts_lora_fwd
 from lora_cuda.graph_ops import check_graph_kernel, graph_plan_types
 
 from .embedding import vectorized_lora_a_embedding_fwd
@@ -52,3 +53,8 @@ class AscendBackend(BatchInfoBackend):
 
     def dora_scale(self, output, factors, batch_info, bias) -> torch.Tensor:
         return dora_scale_fwd(output, factors, batch_info, bias)  # graph-safe: a fixed set of launches
+
+    def experts_lora(self, x, expert_ids, a_weights, b_weights, batch_info, base_output) -> torch.Tensor:
+        # graph-safe for every batch: a fixed set of launches whatever the router picks
+        return experts_lora_fwd(x, expert_ids, a_weights, b_weights, batch_info, base_output, graph_safe=True,
+                                graph_kernel=self.graph_kernel)

@@ -43,6 +43,8 @@ def check_targeting(config: Mapping) -> None:
     """Raise :class:`AdapterFormatError` when the targeting fields of ``config`` are not
     of the forms PEFT writes (``target_modules`` absent included: a saved adapter has them)."""
     targets = config.get("target_modules")
+    if targets is None and config.get("target_parameters"):
+        targets = []  # an adapter of parameters only
     if targets is None:
         raise AdapterFormatError("adapter_config.json has no target_modules (a list of names or a regex)")
     if not (isinstance(targets, str) or _is_str_list(targets)):

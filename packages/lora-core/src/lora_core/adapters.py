@@ -21,6 +21,7 @@ import re
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable, Mapping, Sequence
 
 import torch
 
@@ -52,6 +53,7 @@ class LoRAModuleWeights:
     Linear: ``lora_a (r, in)``, ``lora_b (out, r)``.
     Embedding: ``lora_a (r, V)``, ``lora_b (D, r)``.
     ``magnitude``: DoRA's ``lora_magnitude_vector (out,)`` of a ``use_dora`` adapter, else ``None``.
+    Experts (a targeted parameter ``(E, out, in)``): ``lora_a (E, r, in)``, ``lora_b (E, out, r)``.
     """
 
     name: str
@@ -63,7 +65,7 @@ class LoRAModuleWeights:
 
     @property
     def rank(self) -> int:
-        return self.lora_a.shape[0]
+        return self.lora_a.shape[-2]
 
 
 @dataclass(frozen=True)
@@ -73,11 +75,33 @@ class PeftAdapter:
     path: Path
     config: dict
     modules: dict[str, LoRAModuleWeights] = field(repr=False)
+    parameter_pairs: dict[str, tuple[tuple[torch.Tensor, torch.Tensor], ...]] = field(default_factory=dict, repr=False)
+    """Modules with ``target_parameters`` weights not named yet: module -> its saved
+    ``(lora_A, lora_B)`` pairs, outermost wrapper first (:meth:`with_parameters` names them)."""
 
     @property
     def rank(self) -> int:
         """The largest module rank (the rank of the slot it occupies)."""
+        if self.parameter_pairs:
+            raise ValueError(f"{self.path}: the ranks of its parameter targets are known once they are named "
+                             "(PeftAdapter.with_parameters)")
         return max(m.rank for m in self.modules.values())
+
+    def with_parameters(self, parameter_names: Callable[[str], Sequence[str]]) -> PeftAdapter:
+        """This adapter with its ``target_parameters`` weights named (``<module>.<parameter>``
+        entries of kind ``"experts"`` in :attr:`modules`), given each module's parameter names
+        in registration order (``parameter_names(module)``; ``KeyError`` for a module the model lacks)."""
+        from .parameter_targets import name_parameter_weights
+
+        modules = dict(self.modules)
+        for module, pairs in self.parameter_pairs.items():
+            try:
+                names = parameter_names(module)
+            except KeyError:
+                raise AdapterFormatError(f"{self.path}: target_parameters weights for module {module!r}, "
+                                         "which the model does not have") from None
+            modules.update(name_parameter_weights(self.config, module, pairs, names, where=str(self.path)))
+        return PeftAdapter(path=self.path, config=self.config, modules=modules)
 
     @property
     def use_rslora(self) -> bool:
@@ -128,7 +152,6 @@ def _read_config(path: Path) -> dict:
         "lora_bias": "LoRA bias (lora_bias)",
         "modules_to_save": "fully trained modules (modules_to_save)",
         "trainable_token_indices": "trainable tokens (trainable_token_indices)",
-        "target_parameters": "parameter targeting (target_parameters)",
         "alora_invocation_tokens": "Activated LoRA, applied from the invocation tokens on (alora_invocation_tokens)",
         "use_qalora": "QALoRA's pooled inputs (use_qalora)",
         "layer_replication": "replicated layers (layer_replication)",
@@ -236,6 +259,9 @@ def load_peft_adapter(path: str | Path) -> PeftAdapter:
     if not pairs:
         raise AdapterFormatError(f"{path}: the adapter holds no LoRA weights")
 
+    from .parameter_targets import split_parameter_pairs
+
+    parameter_pairs = split_parameter_pairs(path, config, pairs)
     _check_magnitudes(path, bool(config.get("use_dora", False)), pairs, kinds, magnitudes)
     use_rslora = bool(config.get("use_rslora", False))
     rank_pattern = config.get("rank_pattern") or {}
@@ -273,7 +299,7 @@ def load_peft_adapter(path: str | Path) -> PeftAdapter:
             scaling=scaling,
             magnitude=magnitudes.get(module),
         )
-    return PeftAdapter(path=path, config=config, modules=modules)
+    return PeftAdapter(path=path, config=config, modules=modules, parameter_pairs=parameter_pairs)
 
 
 def _check_magnitudes(path: Path, use_dora: bool, pairs: dict, kinds: dict[str, str],
@@ -308,18 +334,23 @@ def save_peft_adapter(
     rank_pattern: dict[str, int] | None = None,
     alpha_pattern: dict[str, float] | None = None,
     base_model_name_or_path: str | None = None,
+    parameters: Mapping[str, Sequence[tuple[str, torch.Tensor, torch.Tensor]]] | None = None,
 ) -> Path:
     """Write an adapter in PEFT's on-disk format (what ``save_pretrained`` writes).
 
     ``modules`` maps a module name to ``(A, B)``: ``A (r, in)``, ``B (out, r)``
     (embeddings, named in ``embedding_modules``: ``A (r, V)``, ``B (D, r)``).
+    ``parameters`` maps a module name to its targeted parameters (``target_parameters``,
+    e.g. fused experts) in the module's registration order, each ``(name, A (E, r, in),
+    B (E, out, r))``, saved as PEFT's nested parameter wrappers (docs/moe.md).
     ``r`` defaults to the most common module rank.
     """
     from safetensors.torch import save_file
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    ranks = [a.shape[0] for a, _ in modules.values()]
+    ranks = [a.shape[0] for a, _ in modules.values()] + [a.shape[1] for p in (parameters or {}).values()
+                                                          for _, a, _ in p]
     r = r if r is not None else max(set(ranks), key=ranks.count)
     tensors = {}
     for name, (a, b) in modules.items():
@@ -329,6 +360,14 @@ def save_peft_adapter(
         else:
             tensors[f"{_PREFIX}{name}.lora_A.weight"] = a.contiguous()
             tensors[f"{_PREFIX}{name}.lora_B.weight"] = b.contiguous()
+    target_parameters = set()
+    for module, params in (parameters or {}).items():
+        for depth, (param, a, b) in enumerate(reversed(params)):  # the last parameter is the outermost wrapper
+            experts, rank, _ = a.shape
+            key = f"{_PREFIX}{module}" + ".base_layer" * depth
+            tensors[f"{key}.lora_A.weight"] = a.reshape(experts * rank, -1).contiguous()
+            tensors[f"{key}.lora_B.weight"] = b.permute(1, 2, 0).reshape(b.shape[1], rank * experts).contiguous()
+            target_parameters.add(f"{module.rsplit('.', 1)[-1]}.{param}")
     save_file(tensors, str(path / SAFETENSORS_NAME))
     config = {
         "peft_type": "LORA",
@@ -344,6 +383,7 @@ def save_peft_adapter(
         "bias": "none",
         "use_dora": False,
         "modules_to_save": None,
+        "target_parameters": sorted(target_parameters) or None,
     }
     (path / CONFIG_NAME).write_text(json.dumps(config, indent=2))
     return path

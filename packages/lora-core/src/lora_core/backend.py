@@ -214,6 +214,29 @@ class LoRABackend(abc.ABC):
                     output[t] = factors[slot_t] * (output[t] - bias) + bias    # bias = 0 when None
         """
 
+    @abc.abstractmethod
+    def run_experts_lora(
+        self,
+        x: torch.Tensor,
+        expert_ids: torch.Tensor,
+        a_weights: torch.Tensor,
+        b_weights: torch.Tensor,
+        base_output: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """LoRA on one expert parameter of a fused experts module (docs/moe.md):
+        ``x (T, K, in)`` (token ``t``'s input to its ``k``-th expert), ``expert_ids (T, K)``
+        int (the router's top-k), ``a_weights (L, E, R, in)``, ``b_weights (L, E, out, R)``
+        -> ``(T, K, out)``, accumulated into ``base_output`` in place when given (and returned).
+
+        Semantics::
+
+            out = base_output if base_output is not None else zeros(T, K, out)
+            for t, k in tokens, top-k choices:
+                e = expert_ids[t, k]
+                if slot_t >= 0 and 0 <= e < E:
+                    out[t, k] += s_t * b_weights[slot_t, e, :, :r_t] @ a_weights[slot_t, e, :r_t] @ x[t, k]
+        """
+
 
 def _backend_entry_points() -> dict:
     return {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
@@ -243,7 +266,7 @@ class BatchInfoBackend(LoRABackend):
     implements every ``run_*`` method, the packed projections (any number of slices)
     and the LM head as a shrink followed by an expand, and the added-token rows.
     Subclasses implement :meth:`plan_types`, :meth:`shrink`, :meth:`expand`,
-    :meth:`embedding_shrink` and :meth:`dora_scale` (still abstract here).
+    :meth:`embedding_shrink`, :meth:`dora_scale` and :meth:`experts_lora` (still abstract here).
 
     Args:
         device: where batches and weights live.
@@ -334,3 +357,11 @@ class BatchInfoBackend(LoRABackend):
 
     def run_dora_scale(self, output, factors, bias=None, *, pruned: bool = False) -> torch.Tensor:
         return self.dora_scale(output, factors, self.batch_info.lm_head_view(pruned), bias)
+
+    def run_experts_lora(self, x, expert_ids, a_weights, b_weights, base_output=None) -> torch.Tensor:
+        return self.experts_lora(x, expert_ids, a_weights, b_weights, self.batch_info, base_output)
+
+    @abc.abstractmethod
+    def experts_lora(self, x: torch.Tensor, expert_ids: torch.Tensor, a_weights: torch.Tensor,
+                     b_weights: torch.Tensor, batch_info: BatchInfo, base_output: torch.Tensor | None) -> torch.Tensor:
+        """:meth:`run_experts_lora` for an explicit batch."""

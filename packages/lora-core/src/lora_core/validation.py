@@ -35,6 +35,7 @@ __all__ = [
     "check_num_tokens",
     "normalize_slice_offsets",
     "check_token_ids",
+    "check_experts_lora_inputs",
 ]
 
 
@@ -287,3 +288,42 @@ def check_added_token_inputs(
         raise ValueError(f"base_output must have shape {(ids.shape[0], extra_embeddings.shape[2])}, "
                          f"got {_describe(base_output)}")
     check_num_tokens(batch_info, ids.shape[0], "ids")
+
+
+def check_experts_lora_inputs(x: torch.Tensor, expert_ids: torch.Tensor, a_weights: torch.Tensor,
+                              b_weights: torch.Tensor, batch_info: BatchInfo,
+                              base_output: torch.Tensor | None) -> None:
+    """``x (T, K, in)``, ``expert_ids (T, K)`` int32/int64, ``a_weights (L, E, R, in)``,
+    ``b_weights (L, E, out, R)``, ``base_output (T, K, out)`` or ``None``: one float dtype,
+    the batch's device, one weight slot per batch slot, ``T`` rows of the batch."""
+    _check_tensor("x", x, 3)
+    _check_tensor("expert_ids", expert_ids, 2)
+    _check_tensor("a_weights", a_weights, 4)
+    _check_tensor("b_weights", b_weights, 4)
+    check_float_dtype("x", x.dtype)
+    for name, t in (("a_weights", a_weights), ("b_weights", b_weights)):
+        _check_same(name, t, "x", x.dtype, x.device)
+    if expert_ids.dtype not in _ID_DTYPES:
+        raise ValueError(f"expert_ids must be an int32 or int64 tensor, got {expert_ids.dtype}")
+    if expert_ids.device != x.device:
+        raise ValueError(f"expert_ids is on {expert_ids.device} but x is on {x.device}")
+    _check_batch_device(batch_info, x.device, "x")
+    T, K, in_features = x.shape
+    L, E, R, a_in = a_weights.shape
+    if expert_ids.shape != (T, K):
+        raise ValueError(f"expert_ids must have shape ({T}, {K}) for x {_describe(x)}, got {_describe(expert_ids)}")
+    if a_in != in_features:
+        raise ValueError(f"a_weights must have shape (L, E, R, {in_features}) for x {_describe(x)}, "
+                         f"got {_describe(a_weights)}")
+    if b_weights.shape[:2] != (L, E) or b_weights.shape[3] != R:
+        raise ValueError(f"b_weights must have shape ({L}, {E}, out, {R}) for a_weights {_describe(a_weights)}, "
+                         f"got {_describe(b_weights)}")
+    _check_slots(batch_info, a_weights, "a_weights")
+    if base_output is not None:
+        _check_tensor("base_output", base_output, 3)
+        _check_same("base_output", base_output, "x", x.dtype, x.device)
+        if base_output.shape != (T, K, b_weights.shape[2]):
+            raise ValueError(f"base_output must have shape ({T}, {K}, {b_weights.shape[2]}), "
+                             f"got {_describe(base_output)}")
+    _check_ranks(batch_info, R)
+    check_num_tokens(batch_info, T)

@@ -8,6 +8,7 @@ from .control_ops import (
     sgemm_lora_b_control_fwd,
 )
 from .control_plan import ControlPlan, SlotBlocks, TokenGroup
+from .expert_ops import experts_lora_fwd
 from .graph_ops import (
     GRAPH_KERNELS,
     graph_kernel,
@@ -27,6 +28,7 @@ __all__ = [
     "SortedPlan",
     "TokenGroup",
     "TorchNativeBackend",
+    "experts_lora_fwd",
     "graph_kernel",
     "graph_plan_types",
     "sgemm_lora_a_control_fwd",

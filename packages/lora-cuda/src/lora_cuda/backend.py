@@ -10,6 +10,7 @@ from lora_core import BatchInfo, BatchInfoBackend, BatchPlan
 
 from .control_plan import ControlPlan
 from .dora_ops import dora_scale_fwd
+from .expert_ops import experts_lora_fwd
 from .graph_ops import check_graph_kernel, graph_plan_types
 from .ops import sgemm_lora_a_embedding_fwd, sgemm_lora_a_fwd, sgemm_lora_b_fwd
 
@@ -51,3 +52,7 @@ class TorchNativeBackend(BatchInfoBackend):
 
     def dora_scale(self, output, factors, batch_info, bias) -> torch.Tensor:
         return dora_scale_fwd(output, factors, batch_info, bias)  # one gather for eager and graph batches
+
+    def experts_lora(self, x, expert_ids, a_weights, b_weights, batch_info, base_output) -> torch.Tensor:
+        return experts_lora_fwd(x, expert_ids, a_weights, b_weights, batch_info, base_output,
+                                graph_kernel=self.graph_kernel)

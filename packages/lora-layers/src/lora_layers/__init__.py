@@ -21,6 +21,8 @@ from .layers import (  # noqa: E402
     MergedColumnParallelLinearWithLoRA,
     QKVParallelLinearWithLoRA,
     RowParallelLinearWithLoRA,
+    ExpertsWithLoRA,
+    ParallelExpertsWithLoRA,
 )
 
 __version__ = "0.1.0"
@@ -40,4 +42,6 @@ __all__ = [
     "TensorParallel",
     "TinyConfig",
     "TinyDecoder",
+    "ExpertsWithLoRA",
+    "ParallelExpertsWithLoRA",
 ]

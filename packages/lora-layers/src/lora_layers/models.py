@@ -3,7 +3,10 @@
 Layout (names as in Llama-style checkpoints, so PEFT adapters target them the
 usual way): ``model.embed_tokens``, ``model.layers[i].self_attn.{q,k,v,o}_proj``
 (or a fused ``qkv_proj``), ``model.layers[i].mlp.{gate,up,down}_proj`` (or a
-fused ``gate_up_proj``), ``lm_head``. The token mixer is a per-token gated
+fused ``gate_up_proj``), ``lm_head``. With ``num_experts > 0`` the MLP is a
+mixture of experts shaped like transformers' Mixtral: ``mlp.gate`` (the router,
+top-``num_experts_per_tok``) and ``mlp.experts`` with fused ``gate_up_proj (E, 2I, H)``
+and ``down_proj (E, H, I)`` (docs/moe.md). The token mixer is a per-token gated
 stand-in for attention: every op is applied token by token, so any split of a
 flattened batch into requests gives the same result per token.
 """
@@ -29,6 +32,8 @@ class TinyConfig:
     num_key_value_heads: int = 2
     fused: bool = False
     seed: int = 0
+    num_experts: int = 0
+    num_experts_per_tok: int = 2
 
     @property
     def head_dim(self) -> int:
@@ -82,13 +87,47 @@ class _MLP(nn.Module):
         return self.down_proj(F.silu(gate) * up)
 
 
+class _Experts(nn.Module):
+    """Fused experts in transformers' layout: ``forward(x (T, H), top_k_index, top_k_weights (T, K))``."""
+
+    def __init__(self, c: TinyConfig) -> None:
+        super().__init__()
+        E, H, I = c.num_experts, c.hidden_size, c.intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, H))
+        self.down_proj = nn.Parameter(torch.empty(E, H, I))
+        self.act_fn = F.silu
+
+    def forward(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(x)
+        for e in range(self.gate_up_proj.shape[0]):  # each expert on the tokens that picked it
+            tokens, k = torch.nonzero(top_k_index == e, as_tuple=True)
+            gate, up = F.linear(x[tokens], self.gate_up_proj[e]).chunk(2, dim=-1)
+            y = F.linear(self.act_fn(gate) * up, self.down_proj[e])
+            out.index_add_(0, tokens, y * top_k_weights[tokens, k, None])
+        return out
+
+
+class _MoE(nn.Module):
+    def __init__(self, c: TinyConfig) -> None:
+        super().__init__()
+        self.top_k = c.num_experts_per_tok
+        self.gate = nn.Linear(c.hidden_size, c.num_experts, bias=False)
+        self.experts = _Experts(c)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        weights, index = torch.softmax(self.gate(flat).float(), dim=-1).topk(self.top_k, dim=-1)
+        weights = (weights / weights.sum(-1, keepdim=True)).to(x.dtype)
+        return self.experts(flat, index, weights).reshape(x.shape)
+
+
 class _Block(nn.Module):
     def __init__(self, c: TinyConfig) -> None:
         super().__init__()
         self.input_layernorm = nn.LayerNorm(c.hidden_size)
         self.self_attn = _Attention(c)
         self.post_attention_layernorm = nn.LayerNorm(c.hidden_size)
-        self.mlp = _MLP(c)
+        self.mlp = _MoE(c) if c.num_experts else _MLP(c)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x))
@@ -121,8 +160,8 @@ class TinyDecoder(nn.Module):
             self.model = _Backbone(config)
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
             for p in self.parameters():  # unit-scale activations regardless of sizes
-                if p.dim() == 2:
-                    nn.init.normal_(p, std=p.shape[1] ** -0.5 if p is not self.model.embed_tokens.weight else 1.0)
+                if p.dim() in (2, 3):  # 3-D: fused experts (E, out, in)
+                    nn.init.normal_(p, std=p.shape[-1] ** -0.5 if p is not self.model.embed_tokens.weight else 1.0)
         finally:
             torch.random.set_rng_state(generator_state)
 
@@ -138,7 +177,8 @@ class TinyDecoder(nn.Module):
             p = f"model.layers.{i}."
             state[p + "self_attn.qkv_proj.weight"] = torch.cat(
                 [state.pop(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
-            state[p + "mlp.gate_up_proj.weight"] = torch.cat(
-                [state.pop(p + "mlp.gate_proj.weight"), state.pop(p + "mlp.up_proj.weight")])
+            if not self.config.num_experts:  # the experts are fused already
+                state[p + "mlp.gate_up_proj.weight"] = torch.cat(
+                    [state.pop(p + "mlp.gate_proj.weight"), state.pop(p + "mlp.up_proj.weight")])
         self.load_state_dict(state)
         return self

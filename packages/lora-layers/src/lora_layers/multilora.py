@@ -33,7 +33,7 @@ from .graph_mode import GraphMode
 from .layers import LayerKind, LoRAContext
 from .routing import PEFT_BASE, Router  # noqa: F401  (PEFT_BASE: importable from here as before)
 from .slots import EVICTION_POLICIES, SlotTable, check_eviction  # noqa: F401  (EVICTION_POLICIES: likewise)
-from .targeting import TargetModules, output_embedding_name
+from .targeting import TargetModules, name_parameter_targets, output_embedding_name
 
 __all__ = ["MultiLoRA"]
 
@@ -189,7 +189,9 @@ class MultiLoRA:
                             f"e.g. {{'sql': 'path/to/sql'}}; got {type(adapters).__name__}")
         if not adapters:
             raise ValueError("from_adapters needs at least one adapter")
-        loaded = {name: load_peft_adapter(path) for name, path in adapters.items()}
+        modules = dict(model.named_modules())
+        loaded = {name: name_parameter_targets(name, load_peft_adapter(path), modules)
+                  for name, path in adapters.items()}
         options.setdefault("dora", any(a.use_dora for a in loaded.values()))
         if lm_head_modules is None:
             head = output_embedding_name(model)
@@ -266,6 +268,7 @@ class MultiLoRA:
         return self._load(name, load_peft_adapter(path), replace=replace)
 
     def _load(self, name: str, adapter: PeftAdapter, *, replace: bool = False) -> int:
+        adapter = name_parameter_targets(name, adapter, self._targets.base_modules())
         self._slot_table.check_new(name, adapter, replace=replace)
         if self._auto_wrap:
             self._targets.wrap_for(name, adapter, fixed=self._graph.enabled)

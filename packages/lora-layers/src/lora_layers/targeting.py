@@ -16,14 +16,14 @@ from typing import Mapping, Sequence
 
 from torch import nn
 
-from lora_core import PeftAdapter
+from lora_core import AdapterFormatError, PeftAdapter
 from lora_core.adapter_config import matched_modules
 from lora_core.adapters import LoRAModuleWeights
 
-from .layers import WHOLE_MODULE, LayerKind, LoRAContext, WrapTarget, is_conv1d, wrap_module
+from .layers import WHOLE_MODULE, LayerKind, LoRAContext, WrapTarget, is_conv1d, parameter_layer_kind, wrap_module
 from .packing import infer_slice_widths
 
-__all__ = ["TargetModules", "output_embedding_name"]
+__all__ = ["TargetModules", "output_embedding_name", "name_parameter_targets"]
 
 LoadPlan = dict[str, dict[int, LoRAModuleWeights]]
 """Wrapped module name -> its :data:`~lora_layers.layers.ModuleParts` of one adapter."""
@@ -36,6 +36,31 @@ def output_embedding_name(model: nn.Module) -> str | None:
     if head is None:
         return None
     return next((name for name, m in model.named_modules() if m is head), None)
+
+
+def name_parameter_targets(name: str, adapter: PeftAdapter, modules: Mapping[str, nn.Module]) -> PeftAdapter:
+    """Adapter ``name`` with its ``target_parameters`` weights named after the parameters of
+    ``modules`` (the model's modules by name, as the adapter knew them); an
+    :class:`~lora_core.AdapterFormatError` names a parameter no layer kind takes adapters for."""
+    if not adapter.parameter_pairs:
+        return adapter
+
+    def parameter_names(module: str) -> list[str]:
+        return [p for p, _ in modules[module].named_parameters(recurse=False)]
+
+    named = adapter.with_parameters(parameter_names)
+    for key, weights in named.modules.items():
+        module, _, parameter = key.rpartition(".")
+        if weights.kind == "experts" and parameter_layer_kind(modules[module], parameter, WrapTarget(module)) is None:
+            raise AdapterFormatError(
+                f"adapter {name!r} targets parameter {key!r} ({type(modules[module]).__name__}), which lora-kit has "
+                "no wrapper for: target_parameters are served on fused experts modules (gate_up_proj, down_proj)")
+    return named
+
+
+def _parameter_owners(adapter: PeftAdapter) -> set[str]:
+    """The modules whose parameters ``adapter`` targets (its named ``target_parameters`` weights)."""
+    return {key.rpartition(".")[0] for key, w in adapter.modules.items() if w.kind == "experts"}
 
 
 class TargetModules:
@@ -144,7 +169,8 @@ class TargetModules:
             shown = ", ".join(without[:3]) + (", ..." if len(without) > 3 else "")
             warnings.warn(f"adapter {name!r}: its target_modules match {len(without)} module(s) it holds no LoRA "
                           f"weights for ({shown}); was it trained on this model?", stacklevel=4)
-        for module_name in sorted({targets[t] for t in targets if t in adapter.modules} - set(self.wrapped)):
+        wanted = {targets[t] for t in targets if t in adapter.modules} | _parameter_owners(adapter)
+        for module_name in sorted(wanted - set(self.wrapped)):
             if fixed:
                 raise ValueError(f"adapter {name!r} targets {module_name!r}, which is not wrapped; in graph mode the "
                                  "wrapped modules are fixed (wrap it before enable_graph)")
@@ -156,6 +182,9 @@ class TargetModules:
         if module in self.wrapped:
             return module, WHOLE_MODULE  # every slice, for a packed module trained fused
         parent, _, last = module.rpartition(".")
+        owned = getattr(self.wrapped.get(parent), "parameters_with_lora", ())
+        if last in owned:  # a targeted parameter of a wrapped module
+            return parent, owned.index(last)
         for packed, parts in self.packed_modules.items():
             if last in parts:
                 target = f"{parent}.{packed}" if parent else packed

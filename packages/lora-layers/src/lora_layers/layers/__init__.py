@@ -18,6 +18,8 @@ Adapter weights are given unsharded; tensor-parallel wrappers take their shard.
 | RowParallelLinearWithLoRA | in columns | in columns | full | lora_a, lora_b | all-reduce x2 |
 | EmbeddingWithLoRA | vocab rows | vocab columns | full | added_tokens, lora_a_embedding, lora_b | all-reduce x2 |
 | LMHeadWithLoRA | vocab rows | full | vocab rows | lm_head | all-gather |
+| ExpertsWithLoRA (fused experts, per-expert A/B) | full | full | full | experts_lora x2 | none |
+| ParallelExpertsWithLoRA | gate/up rows, down columns of the intermediate dim | gate_up full, down columns | gate_up rows, down full | experts_lora x2 | all-reduce of the output |
 """
 
 from .column_parallel import (
@@ -27,10 +29,12 @@ from .column_parallel import (
 )
 from .context import LoRAContext, WrapTarget, flatten_tokens, inference_forward
 from .conv1d import Conv1DWithLoRA, is_conv1d
-from .dispatch import LAYER_TYPES, LayerKind, wrap_module
+from .dispatch import LAYER_TYPES, LayerKind, parameter_layer_kind, wrap_module
 from .embedding import EmbeddingWithLoRA
+from .experts import ExpertsWithLoRA
 from .linear import LinearWithLoRA, SliceWeights
 from .lm_head import LMHeadWithLoRA
+from .parallel_experts import ParallelExpertsWithLoRA
 from .row_parallel import RowParallelLinearWithLoRA
 from .slot_weights import WHOLE_MODULE, ModuleParts, folded_b
 
@@ -39,12 +43,14 @@ __all__ = [
     "ColumnParallelLinearWithLoRA",
     "Conv1DWithLoRA",
     "EmbeddingWithLoRA",
+    "ExpertsWithLoRA",
     "LMHeadWithLoRA",
     "LayerKind",
     "LinearWithLoRA",
     "LoRAContext",
     "MergedColumnParallelLinearWithLoRA",
     "ModuleParts",
+    "ParallelExpertsWithLoRA",
     "QKVParallelLinearWithLoRA",
     "RowParallelLinearWithLoRA",
     "SliceWeights",
@@ -54,5 +60,6 @@ __all__ = [
     "folded_b",
     "inference_forward",
     "is_conv1d",
+    "parameter_layer_kind",
     "wrap_module",
 ]

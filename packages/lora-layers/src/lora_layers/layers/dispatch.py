@@ -18,11 +18,12 @@ from torch import nn
 from .context import LoRAContext, WrapTarget
 from .conv1d import Conv1DWithLoRA
 from .embedding import EmbeddingWithLoRA
+from .experts import ExpertsWithLoRA
 from .linear import LinearWithLoRA
 from .lm_head import LMHeadWithLoRA
 from .slot_weights import ModuleParts
 
-__all__ = ["LAYER_TYPES", "LayerKind", "wrap_module"]
+__all__ = ["LAYER_TYPES", "LayerKind", "wrap_module", "parameter_layer_kind"]
 
 
 class LayerKind(Protocol):
@@ -56,7 +57,8 @@ class LayerKind(Protocol):
         ...
 
 
-LAYER_TYPES: list[type[nn.Module]] = [EmbeddingWithLoRA, LMHeadWithLoRA, Conv1DWithLoRA, LinearWithLoRA]
+LAYER_TYPES: list[type[nn.Module]] = [EmbeddingWithLoRA, LMHeadWithLoRA, Conv1DWithLoRA, LinearWithLoRA,
+                                      ExpertsWithLoRA]
 """Layer kinds in dispatch order."""
 
 
@@ -67,3 +69,12 @@ def wrap_module(module: nn.Module, context: LoRAContext, target: WrapTarget) -> 
             return layer_type.wrap(module, context, target)
     kinds = ", ".join(t.__name__ for t in LAYER_TYPES)
     raise TypeError(f"cannot wrap {target.name!r}: no layer kind ({kinds}) accepts a {type(module).__name__}")
+
+
+def parameter_layer_kind(module: nn.Module, parameter: str, target: WrapTarget) -> type[nn.Module] | None:
+    """The layer kind that wraps ``module`` and takes adapters on its ``parameter``
+    (PEFT's ``target_parameters``; a kind lists them in ``parameters_with_lora``), or ``None``."""
+    for layer_type in LAYER_TYPES:
+        if layer_type.can_wrap(module, target):
+            return layer_type if parameter in getattr(layer_type, "parameters_with_lora", ()) else None
+    return None

@@ -42,6 +42,8 @@ CONFIG_RANGES: dict[str, tuple[int, int]] = {
     "num_attention_heads": (1, 1024),
     "num_key_value_heads": (1, 1024),
     "seed": (0, 2**63 - 1),
+    "num_experts": (0, 256),
+    "num_experts_per_tok": (1, 64),
 }
 """The accepted range of each integer field of a model config, both ends included
 (``num_attention_heads`` must also divide ``hidden_size``, ``num_key_value_heads``
@@ -144,6 +146,8 @@ def check_config_fields(values: Mapping[str, Any], defaults: Mapping[str, Any]) 
             high = min(high, merged["hidden_size"])
         elif name == "num_key_value_heads":
             high = min(high, merged["num_attention_heads"])
+        elif name == "num_experts_per_tok" and _is_int(merged["num_experts"]) and merged["num_experts"] > 0:
+            high = min(high, merged["num_experts"])  # top-k of the experts there are
         if not _is_int(value) or not low <= value <= high:
             kind = " (a string)" if isinstance(value, str) else ""
             raise UsageError(f"--model-config: {name} must be an integer from {low} to {high}, "
@@ -242,9 +246,12 @@ def estimate_memory(config: Mapping[str, Any], adapter_ranks: Sequence[int], tok
     every module at its rank); and a few logits-sized activations of the prefill.
     """
     h, v, layers = config["hidden_size"], config["vocab_size"], config["num_hidden_layers"]
-    per_layer = sum(a * b for a, b in _projection_dims(config)) + 4 * h  # + the two layer norms
+    experts = max(1, config.get("num_experts", 0))  # a mixture of experts: the MLP (and its LoRA) per expert
+    dims = _projection_dims(config)
+    counts = [1] * (len(dims) - 2) + [experts] * 2
+    per_layer = sum(n * a * b for n, (a, b) in zip(counts, dims)) + 4 * h  # + the two layer norms
     params = 2 * v * h + layers * per_layer + 2 * h
-    module_width = layers * sum(a + b for a, b in _projection_dims(config)) + 2 * (v + h)
+    module_width = layers * sum(n * (a + b) for n, (a, b) in zip(counts, dims)) + 2 * (v + h)
     slots, rank = max(1, len(adapter_ranks)), max(adapter_ranks, default=1)
     width = max(v, 2 * config["intermediate_size"], 3 * h)
     return MemoryEstimate(model_params=params, model_copies=len(adapter_ranks) + 4,

@@ -20,9 +20,8 @@ from lora_core.testing import DEVICE_NAMES
 
 from ..models import TinyConfig, TinyDecoder
 from .adapters import SYNTHETIC_ADAPTERS, make_synthetic_adapters
-from .bench import BENCHMARK_GROUP, run_benchmarks
+from .bench import run_benchmarks
 from .checks import (
-    CONFIG_RANGES,
     MAX_DECODE_STEPS,
     MAX_MEMORY_GIB,
     MAX_ROUNDS,
@@ -39,6 +38,7 @@ from .checks import (
     read_config_text,
 )
 from .errors import UsageError
+from .help_text import DESCRIPTION, EPILOG
 from .report import format_devices, format_header, format_rows, to_json, write_plot
 from .run import COMPILE_BACKENDS, ROUNDS, check_compile_backend, run_simulation
 from .serving import build_multilora
@@ -48,71 +48,8 @@ from .workload import DEFAULT_CONFIG, Workload, default_workload
 __all__ = ["OPTION_COMMANDS", "TRANSFORMERS_KEYS", "RunPlan", "build_parser", "check_adapters_fit", "check_run",
            "main", "parse_adapters", "parse_config", "read_model_config"]
 
-DESCRIPTION = "simulate a multi-LoRA serving run on every installed backend and device"
-
-_RANGES = "; ".join(f"{k} {lo}-{hi}" for k, (lo, hi) in CONFIG_RANGES.items() if k != "seed")
-
-EPILOG = f"""\
-The default run needs nothing but this package: a small seeded decoder-shaped
-model, four synthetic PEFT adapters (ranks 8/16/32/64; one rsLoRA; one also on
-the embedding and the LM head), a prefill of six prompts of different lengths on
-mixed adapters (one on the base model; the LM head sees each prompt's last token
-only) and greedy decode steps, each on a different adapter mix. Every output of
-every backend x device row is checked against an fp32 reference that merges each
-adapter into a copy of the base model, at the fp32 tolerance of
-lora_core.testing.TOLERANCES (docs/layout.md) with atol scaled by the outputs'
-magnitude (atol * max(1, max |ref|)), so large valid logits are not judged at
-the tolerance of unit-scale ones.
-
-Timings are medians over --rounds rounds with their min-max spread; in each round
-the LoRA model and the base model run interleaved (prefill by prefill, decode step
-by decode step). --json carries every per-round sample. A line per row goes to
-stderr as the rows finish (none with --quiet or --json -).
-
---model-config: a JSON file or inline JSON object of the model's sizes, either
-lora-sim's own keys (vocab_size, hidden_size, intermediate_size, num_hidden_layers,
-num_attention_heads, num_key_value_heads, fused, seed; the rest keep the default)
-or a transformers config.json (it has model_type or architectures): its
-vocab_size, hidden_size, intermediate_size, num_hidden_layers,
-num_attention_heads and num_key_value_heads are used, every other key is ignored
-(a note on stderr says which). --adapter adapters are served at the largest rank
-among them.
-
-limits (checked before anything runs; bad input exits 2 with one line):
-  --decode-steps 1-{MAX_DECODE_STEPS}; --rounds {MIN_ROUNDS}-{MAX_ROUNDS}
-  --model-config integers: {_RANGES}; seed 0-2**63-1;
-    num_attention_heads divides hidden_size, num_key_value_heads divides
-    num_attention_heads; fused is true or false
-  memory: a run estimated to need more than --max-memory-gib (default {MAX_MEMORY_GIB:g})
-    GiB is refused (fp32 copies of the model per adapter, plus LoRA buffers)
-  --json and --plot: writable paths, checked first; --plot ends in
-    {', '.join(PLOT_SUFFIXES)} and needs matplotlib (pip install matplotlib)
-
-examples:
-  lora-sim                       # the default run, a table on stdout
-  lora-sim devices               # what was probed and found
-  lora-sim bench --smoke         # the installed op benchmarks, tiny shapes
-  lora-sim --json - --quiet      # the results as JSON on stdout, nothing on stderr
-  lora-sim --adapter sql=path/to/peft_dir --model-config '{{"hidden_size": 512}}'
-  lora-sim --adapter sql=path/to/peft_dir --model-config path/to/base_model/config.json
-
-options by command: run takes every option but --smoke; bench takes --smoke and
---quiet; devices takes none. An option given to a command that does not use it
-is an error.
-
-exit status:
-  run      0 when every row that ran is within tolerance, 1 when one is not
-           (or no row ran)
-  devices  0
-  bench    0 when every benchmark returns 0, else the status of the first that
-           does not; 1 when none is installed (benchmarks are found through the
-           entry-point group {BENCHMARK_GROUP!r})
-  any      2 for bad input, with a one-line message
-"""
-
-
 TRANSFORMERS_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                     "num_key_value_heads")
+                     "num_key_value_heads", "num_experts_per_tok")
 """The keys of a transformers ``config.json`` (Llama, Qwen2, Mistral, ... naming) that lora-sim's model reads."""
 
 OPTION_COMMANDS: dict[str, tuple[str, ...]] = {
@@ -137,6 +74,8 @@ def _from_transformers(values: dict) -> tuple[dict, str]:
         raise UsageError(f"--model-config: this transformers config has no {', '.join(missing)} "
                          f"(lora-sim reads {', '.join(TRANSFORMERS_KEYS)}){hint}")
     fields = {k: values[k] for k in TRANSFORMERS_KEYS if values.get(k) is not None}
+    if values.get("num_local_experts") is not None:  # Mixtral's name for the expert count
+        fields["num_experts"] = values["num_local_experts"]
     fields.setdefault("num_key_value_heads", fields["num_attention_heads"])
     head_dim = values.get("head_dim")
     if head_dim is not None:
@@ -148,7 +87,7 @@ def _from_transformers(values: dict) -> tuple[dict, str]:
         if sizes and head_dim * heads != hidden:  # sizes of another type: the field checks name them
             raise UsageError(f"--model-config: head_dim = {head_dim} is not hidden_size / num_attention_heads "
                              f"({hidden} / {heads}); lora-sim's model derives it")
-    ignored = sorted(set(values) - set(fields) - {"head_dim"})
+    ignored = sorted(set(values) - set(fields) - {"head_dim", "num_local_experts"})
     shown = ", ".join(ignored[:6]) + (", ..." if len(ignored) > 6 else "")
     architectures = values.get("architectures")
     kind = values.get("model_type") or (architectures[0] if isinstance(architectures, list) and architectures
@@ -213,14 +152,15 @@ def _load_adapters(specs: Sequence[str]) -> dict[str, tuple[Path, int]]:
             raise UsageError(f"--adapter {name}: {path} is a file; give the PEFT adapter's directory (the one "
                              f"holding adapter_config.json and adapter_model.safetensors){hint}")
         try:
-            adapter = load_peft_adapter(directory)
+            adapter = load_peft_adapter(directory)  # target_parameters: named by the model later, declared ranks
+            declared = [adapter.config["r"], *(adapter.config.get("rank_pattern") or {}).values()]
+            rank = max([m.rank for m in adapter.modules.values()] + (declared if adapter.parameter_pairs else []))
         except Exception as err:  # whatever a bad adapter raises, it is bad input: one line
             message = str(err) if str(path) in str(err) else f"{path}: {err}"
             raise UsageError(f"--adapter {name}: {one_line(message)}") from None
         if adapter.use_dora:  # lora-sim checks every output against plain LoRA math
             raise UsageError(f"--adapter {name}: {path} is a DoRA adapter (use_dora); lora-sim serves plain LoRA "
                              "adapters only (serve DoRA with MultiLoRA.from_adapters: docs/transformers.md)")
-        rank = adapter.rank
         adapters[name] = (directory, rank)
     return adapters
 

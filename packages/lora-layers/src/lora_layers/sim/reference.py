@@ -13,6 +13,7 @@ from lora_core.testing import TOLERANCES
 
 from ..models import TinyDecoder
 from ..packing import LLAMA_PACKED_MODULES, infer_slice_widths
+from ..targeting import name_parameter_targets
 from .serving import packed_module_of
 
 __all__ = ["ScaledCheck", "merged_reference_models", "reference_logits"]
@@ -22,16 +23,21 @@ def merged_reference_models(base: TinyDecoder, adapter_paths: Mapping[str, Path]
     """fp32 copies of ``base``, one per adapter with it merged into the weights
     (``W += scaling * B @ A``; an embedding's delta transposed; a PEFT module that
     lives in a fused module lands in its slice, of the widths
-    :func:`lora_layers.packing.infer_slice_widths` gives), and the unmerged copy
-    under the key ``None``."""
+    :func:`lora_layers.packing.infer_slice_widths` gives; a targeted experts parameter
+    gets each expert's ``scaling * B_e @ A_e``), and the unmerged copy under the key ``None``."""
     models: dict[str | None, TinyDecoder] = {None: copy.deepcopy(base).float()}
     for name, path in adapter_paths.items():
         merged = copy.deepcopy(base).float()
         params = dict(merged.named_parameters())
-        for module, w in load_peft_adapter(path).modules.items():
-            delta = w.scaling * (w.lora_b.float() @ w.lora_a.float())
+        modules = dict(merged.named_modules())
+        adapter = name_parameter_targets(name, load_peft_adapter(path), modules)
+        for module, w in adapter.modules.items():
+            delta = w.scaling * (w.lora_b.float() @ w.lora_a.float())  # per expert for a targeted parameter
             if w.kind == "embedding":
                 params[f"{module}.weight"].data += delta.T
+                continue
+            if w.kind == "experts":  # (E, out, in), as PEFT's ParamWrapper merges it
+                params[module].data += delta
                 continue
             parent, _, last = module.rpartition(".")
             packed = packed_module_of(last)

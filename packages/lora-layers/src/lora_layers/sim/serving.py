@@ -13,6 +13,7 @@ from lora_core import load_peft_adapter
 from ..models import TinyConfig
 from ..multilora import MultiLoRA
 from ..packing import LLAMA_PACKED_MODULES
+from ..targeting import name_parameter_targets
 
 __all__ = ["ATTENTION", "MAX_RANK", "MLP", "PROJECTIONS", "WHOLE_MODEL", "build_multilora", "module_path",
            "packed_modules", "packed_module_of", "target_modules"]
@@ -40,9 +41,10 @@ def module_path(layer: int, projection: str) -> str:
 
 def target_modules(config: TinyConfig) -> list[str]:
     """The modules to wrap in a model of ``config``: every projection (its fused
-    module where ``config.fused``), the embedding and the LM head."""
-    names: list[str] = []
-    for projection in PROJECTIONS:
+    module where ``config.fused``; in a mixture-of-experts model the fused experts
+    instead of the MLP projections), the embedding and the LM head."""
+    names: list[str] = ["experts"] if config.num_experts else []
+    for projection in ATTENTION if config.num_experts else PROJECTIONS:
         name = (packed_module_of(projection) or projection) if config.fused else projection
         if name not in names:
             names.append(name)
@@ -65,7 +67,9 @@ def build_multilora(model: nn.Module, config: TinyConfig, adapter_paths: Mapping
     adapter does not fit the model.
     """
     kwargs = {} if backend is None else {"backend": backend}
-    max_rank = max((load_peft_adapter(p).rank for p in adapter_paths.values()), default=MAX_RANK)
+    modules = dict(model.named_modules())
+    max_rank = max((name_parameter_targets(name, load_peft_adapter(p), modules).rank
+                    for name, p in adapter_paths.items()), default=MAX_RANK)
     mlora = MultiLoRA(model, target_modules(config), max_loras=max(1, len(adapter_paths)), max_rank=max_rank,
                       packed_modules=packed_modules(config), **kwargs)
     for name, path in adapter_paths.items():

@@ -1,0 +1,74 @@
+"""Reference math of LoRA on a fused experts module, in fp32 on the host (docs/moe.md).
+
+For each token ``t`` of slot ``l`` (rank ``r``, scaling ``s``) and each of its
+top-k choices ``k`` (expert ``e = expert_ids[t, k]``)::
+
+    delta[t, k] = s * B_l[e, :, :r] @ (A_l[e, :r] @ x[t, k])
+
+added to that expert's projection output, where PEFT's ``ParamWrapper`` adds
+``s * B_e @ A_e`` to the expert's weight: the gate_up output before the
+activation, the down output before the router weighting. Slot -1, rank 0 and
+expert ids outside ``[0, E)`` get a zero delta.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from .batch_info import BatchInfo
+
+__all__ = ["reference_experts_lora", "reference_experts"]
+
+
+def _f32(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().to(device="cpu", dtype=torch.float32)
+
+
+def reference_experts_lora(x: torch.Tensor, expert_ids: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                           batch_info: BatchInfo) -> torch.Tensor:
+    """``x: (T, K, in)``, ``expert_ids: (T, K)`` int, ``a: (L, E, R, in)``, ``b: (L, E, out, R)``
+    -> delta ``(T, K, out)`` fp32."""
+    xf, af, bf = _f32(x), _f32(a), _f32(b)
+    T, K = expert_ids.shape
+    E = a.shape[1]
+    out = torch.zeros(T, K, b.shape[2])
+    slots = batch_info.token_slots_cpu[:T].tolist()
+    ids = expert_ids.detach().cpu().tolist()
+    for t in range(T):
+        slot = slots[t]
+        if slot < 0 or batch_info.lora_ranks_host[slot] == 0:
+            continue
+        r, s = batch_info.lora_ranks_host[slot], batch_info.scalings_host[slot]
+        for k in range(K):
+            e = ids[t][k]
+            if 0 <= e < E:
+                out[t, k] = s * (bf[slot, e, :, :r] @ (af[slot, e, :r] @ xf[t, k]))
+    return out
+
+
+def reference_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                      gate_up_proj: torch.Tensor, down_proj: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor],
+                      gate_up_lora: tuple[torch.Tensor, torch.Tensor], down_lora: tuple[torch.Tensor, torch.Tensor],
+                      batch_info: BatchInfo) -> torch.Tensor:
+    """A whole transformers experts module with LoRA: ``x: (T, H)``, ``top_k_index`` and
+    ``top_k_weights: (T, K)``, ``gate_up_proj: (E, 2I, H)``, ``down_proj: (E, H, I)``,
+    each LoRA pair ``(a, b)`` in the layout of :class:`lora_core.expert_layout.ExpertLoRABuffers`
+    -> ``(T, H)`` fp32::
+
+        h = x[t] @ gate_up_proj[e].T + delta_gate_up[t, k]
+        y = (act(h[:I]) * h[I:]) @ down_proj[e].T + delta_down[t, k]
+        out[t] = sum_k top_k_weights[t, k] * y
+    """
+    T, K = top_k_index.shape
+    xf, wg, wd = _f32(x), _f32(gate_up_proj), _f32(down_proj)
+    E, I = wg.shape[0], wd.shape[2]
+    ids = top_k_index.detach().cpu().long()
+    safe = ids.clamp(0, E - 1)
+    xk = xf[:, None, :].expand(T, K, xf.shape[1])
+    h = torch.einsum("tkh,tkoh->tko", xk, wg[safe]) + reference_experts_lora(xk, ids, *gate_up_lora, batch_info)
+    mid = act(h[..., :I]) * h[..., I:]
+    y = torch.einsum("tki,tkoi->tko", mid, wd[safe]) + reference_experts_lora(mid, ids, *down_lora, batch_info)
+    weights = torch.where((ids >= 0) & (ids < E), _f32(top_k_weights), 0.0)
+    return (y * weights[..., None]).sum(1)

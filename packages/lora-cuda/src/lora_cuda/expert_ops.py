@@ -1,0 +1,36 @@
+"""The public torch-native op of LoRA on fused experts: validate at the boundary, then dispatch
+(docs/moe.md). Graph-mode batches, ``graph_safe=True`` and ``torch.compile`` take the
+graph-safe kernel; eager batches the control-flow one."""
+
+from __future__ import annotations
+
+import torch
+
+from lora_core import BatchInfo
+from lora_core.validation import check_experts_lora_inputs
+
+from .expert_kernels import control_experts_lora, graph_experts_lora
+from .graph_kernels import check_graph_kernel
+
+__all__ = ["experts_lora_fwd"]
+
+
+def experts_lora_fwd(x: torch.Tensor, expert_ids: torch.Tensor, a_weights: torch.Tensor, b_weights: torch.Tensor,
+                     batch_info: BatchInfo, base_output: torch.Tensor | None = None, *,
+                     graph_safe: bool = False, graph_kernel: str = "auto") -> torch.Tensor:
+    """LoRA delta of one expert parameter. ``x: (T, K, in)``, ``expert_ids: (T, K)`` int32/int64,
+    ``a_weights: (L, E, R, in)``, ``b_weights: (L, E, out, R)`` -> ``(T, K, out)`` in ``x.dtype``,
+    added to ``base_output (T, K, out)`` in place when given (and returned).
+
+    Semantics (``s``, ``r`` the token's slot scaling and rank; zero for slot -1,
+    rank 0 and expert ids outside ``[0, E)``)::
+
+        out[t, k] += s * b_weights[slot_t, e, :, :r] @ a_weights[slot_t, e, :r] @ x[t, k],  e = expert_ids[t, k]
+
+    ``graph_kernel`` (a preference of :data:`lora_cuda.GRAPH_KERNELS`) picks the graph-safe kernel.
+    """
+    check_experts_lora_inputs(x, expert_ids, a_weights, b_weights, batch_info, base_output)
+    if graph_safe or batch_info.use_graph or torch.compiler.is_compiling():
+        return graph_experts_lora(x, expert_ids, a_weights, b_weights, batch_info, base_output,
+                                  kernel=check_graph_kernel(graph_kernel))
+    return control_experts_lora(x, expert_ids, a_weights, b_weights, batch_info, base_output)

@@ -1,0 +1,60 @@
+"""The base projection of a fused experts module for each dispatched (token, expert) pair.
+
+``expert_projection(x (T, K, in), expert_ids (T, K), weight (E, out, in))`` ->
+``(T, K, out)``: ``x[t, k] @ weight[expert_ids[t, k]].T``, zero for ids outside
+``[0, E)`` (an expert-parallel mask). Three ways, the same numbers:
+
+* a grouped GEMM over the pairs sorted by expert (``torch._grouped_mm``), where the
+  device's platform prefers it (the CPU), for contiguous weights with 16-byte aligned
+  strides, and not under ``torch.compile`` (whose grouped GEMM takes bf16 only): no
+  host read, no weight copies;
+* eager batches elsewhere: a host loop over the experts the router picked (one read
+  back of the choices, as transformers' own experts loop does);
+* graph batches and compiled code elsewhere: each pair's weight gathered for one ``bmm`` per chunk of
+  pairs, static shapes and nothing read on the host.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lora_core.platforms import platform_for
+
+__all__ = ["expert_projection"]
+
+_CHUNK_ELEMENTS = 1 << 24
+"""Gathered weight elements per chunk of pairs on the graph path (64 MiB in fp32)."""
+
+
+def expert_projection(x: torch.Tensor, expert_ids: torch.Tensor, weight: torch.Tensor, *,
+                      graph_safe: bool) -> torch.Tensor:
+    T, K, in_features = x.shape
+    E, out_features = weight.shape[0], weight.shape[1]
+    P = T * K
+    ids = expert_ids.reshape(P).long()
+    valid = (ids >= 0) & (ids < E)
+    safe = torch.where(valid, ids, 0)
+    xs = x.reshape(P, in_features)
+    if P == 0:
+        return x.new_zeros(T, K, out_features)
+    grouped = (not torch.compiler.is_compiling()  # compiled grouped GEMMs take bf16 only
+               and hasattr(torch, "_grouped_mm") and platform_for(x.device).prefers_grouped_gemm
+               and weight.is_contiguous() and weight.data_ptr() % 16 == 0
+               and all(n * weight.dtype.itemsize % 16 == 0 for n in (in_features, out_features)))
+    if grouped:
+        order = torch.argsort(safe, stable=True)
+        counts = torch.zeros(E, dtype=torch.int32, device=x.device).index_add_(
+            0, safe, torch.ones_like(safe, dtype=torch.int32))
+        sorted_out = torch._grouped_mm(xs.index_select(0, order).contiguous(), weight.transpose(1, 2),
+                                       offs=torch.cumsum(counts, 0, dtype=torch.int32))
+        out = torch.empty_like(sorted_out).index_copy_(0, order, sorted_out)
+    elif graph_safe:
+        chunk = max(1, _CHUNK_ELEMENTS // (in_features * out_features))
+        out = torch.cat([torch.bmm(weight.index_select(0, safe[s : s + chunk]), xs[s : s + chunk, :, None])[..., 0]
+                         for s in range(0, P, chunk)])
+    else:
+        out = xs.new_zeros(P, out_features)
+        for expert in torch.unique(safe[valid]).tolist():  # the experts the router picked
+            rows = torch.nonzero(safe == expert)[:, 0]
+            out.index_copy_(0, rows, xs.index_select(0, rows) @ weight[expert].T)
+    return torch.where(valid[:, None], out, 0).view(T, K, out_features)

@@ -1,0 +1,71 @@
+"""``lora-sim --help``: the description and the text after the options (limits, examples,
+exit status), with the limits taken from :mod:`.checks` so the help cannot drift from them."""
+
+from __future__ import annotations
+
+from .bench import BENCHMARK_GROUP
+from .checks import CONFIG_RANGES, MAX_DECODE_STEPS, MAX_MEMORY_GIB, MAX_ROUNDS, MIN_ROUNDS, PLOT_SUFFIXES
+
+__all__ = ["DESCRIPTION", "EPILOG"]
+
+DESCRIPTION = "simulate a multi-LoRA serving run on every installed backend and device"
+
+_RANGES = "; ".join(f"{k} {lo}-{hi}" for k, (lo, hi) in CONFIG_RANGES.items() if k != "seed")
+
+EPILOG = f"""\
+The default run needs nothing but this package: a small seeded decoder-shaped
+model, four synthetic PEFT adapters (ranks 8/16/32/64; one rsLoRA; one also on
+the embedding and the LM head), a prefill of six prompts of different lengths on
+mixed adapters (one on the base model; the LM head sees each prompt's last token
+only) and greedy decode steps, each on a different adapter mix. Every output of
+every backend x device row is checked against an fp32 reference that merges each
+adapter into a copy of the base model, at the fp32 tolerance of
+lora_core.testing.TOLERANCES (docs/layout.md) with atol scaled by the outputs'
+magnitude (atol * max(1, max |ref|)), so large valid logits are not judged at
+the tolerance of unit-scale ones.
+
+Timings are medians over --rounds rounds with their min-max spread; in each round
+the LoRA model and the base model run interleaved (prefill by prefill, decode step
+by decode step). --json carries every per-round sample. A line per row goes to
+stderr as the rows finish (none with --quiet or --json -).
+
+--model-config: a JSON file or inline JSON object of the model's sizes, either
+lora-sim's own keys (vocab_size, hidden_size, intermediate_size, num_hidden_layers,
+num_attention_heads, num_key_value_heads, fused, seed, num_experts (> 0: a Mixtral
+MoE MLP, docs/moe.md), num_experts_per_tok; the rest keep the default) or a
+transformers config.json (it has model_type or architectures): the sizes among those
+keys (not fused or seed; Mixtral's num_local_experts as num_experts) are used, every
+other key is ignored (a note on stderr says which). --adapter adapters are served at
+the largest rank among them.
+
+limits (checked before anything runs; bad input exits 2 with one line):
+  --decode-steps 1-{MAX_DECODE_STEPS}; --rounds {MIN_ROUNDS}-{MAX_ROUNDS}
+  --model-config integers: {_RANGES}; seed 0-2**63-1;
+    num_attention_heads divides hidden_size, num_key_value_heads divides
+    num_attention_heads; num_experts_per_tok at most num_experts; fused is true or false
+  memory: a run estimated to need more than --max-memory-gib (default {MAX_MEMORY_GIB:g})
+    GiB is refused (fp32 copies of the model per adapter, plus LoRA buffers)
+  --json and --plot: writable paths, checked first; --plot ends in
+    {', '.join(PLOT_SUFFIXES)} and needs matplotlib (pip install matplotlib)
+
+examples:
+  lora-sim                       # the default run, a table on stdout
+  lora-sim devices               # what was probed and found
+  lora-sim bench --smoke         # the installed op benchmarks, tiny shapes
+  lora-sim --json - --quiet      # the results as JSON on stdout, nothing on stderr
+  lora-sim --adapter sql=path/to/peft_dir --model-config '{{"hidden_size": 512}}'
+  lora-sim --adapter sql=path/to/peft_dir --model-config path/to/base_model/config.json
+
+options by command: run takes every option but --smoke; bench takes --smoke and
+--quiet; devices takes none. An option given to a command that does not use it
+is an error.
+
+exit status:
+  run      0 when every row that ran is within tolerance, 1 when one is not
+           (or no row ran)
+  devices  0
+  bench    0 when every benchmark returns 0, else the status of the first that
+           does not; 1 when none is installed (benchmarks are found through the
+           entry-point group {BENCHMARK_GROUP!r})
+  any      2 for bad input, with a one-line message
+"""
