@@ -7,8 +7,11 @@ layers and ``...<module>.lora_embedding_A`` / ``lora_embedding_B`` for embedding
 
 Scaling follows PEFT: ``lora_alpha / r``, or ``lora_alpha / sqrt(r)`` with
 ``use_rslora``, where ``rank_pattern`` / ``alpha_pattern`` override ``r`` and
-``lora_alpha`` per module. Anything the math here does not cover (DoRA, LoRA
-bias, ``modules_to_save``, other PEFT types) is rejected with a clear error.
+``lora_alpha`` per module. Modules the adapter trained whole (PEFT's
+``modules_to_save``, e.g. ``lm_head``, ``embed_tokens``, a classifier ``score``)
+are saved as ``base_model.model.<module>.weight`` (and ``.bias``) and read into
+:attr:`PeftAdapter.saved_modules`. Anything the math here does not cover (DoRA,
+LoRA bias, other PEFT types) is rejected with a clear error.
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ import torch
 
 from .checks import FLOAT32_MAX, check_finite_float
 
-__all__ = ["LoRAModuleWeights", "PeftAdapter", "load_peft_adapter", "save_peft_adapter", "peft_scaling", "AdapterFormatError"]
+__all__ = ["LoRAModuleWeights", "PeftAdapter", "load_peft_adapter", "save_peft_adapter", "peft_scaling", "AdapterFormatError",
+           "SavedModuleWeights", "is_saved_module"]
 
 CONFIG_NAME = "adapter_config.json"
 SAFETENSORS_NAME = "adapter_model.safetensors"
@@ -62,12 +66,35 @@ class LoRAModuleWeights:
 
 
 @dataclass(frozen=True)
+class SavedModuleWeights:
+    """One module the adapter trained whole (PEFT's ``modules_to_save``): its own copy's parameters.
+
+    ``weight``: ``(out, in)`` for a linear layer, ``(V, D)`` for an embedding;
+    ``bias``: ``(out,)``, or ``None`` when the module has none. ``kind`` is
+    ``"saved"`` (a LoRA pair's is ``"linear"`` or ``"embedding"``).
+    """
+
+    name: str
+    weight: torch.Tensor
+    bias: torch.Tensor | None = None
+    kind = "saved"
+
+
+def is_saved_module(config: dict, module: str) -> bool:
+    """Whether ``module`` is one of ``config``'s ``modules_to_save`` (PEFT's ``_set_trainable``
+    rule: the module's name ends with an entry, e.g. ``lm_head``, ``model.embed_tokens``)."""
+    return any(module.endswith(m) for m in config.get("modules_to_save") or ())
+
+
+@dataclass(frozen=True)
 class PeftAdapter:
-    """A loaded PEFT LoRA adapter: its config and the weights of each module it targets."""
+    """A loaded PEFT LoRA adapter: its config, the LoRA weights of each module it targets,
+    and the modules it trained whole (``modules_to_save``), by module name."""
 
     path: Path
     config: dict
     modules: dict[str, LoRAModuleWeights] = field(repr=False)
+    saved_modules: dict[str, SavedModuleWeights] = field(default_factory=dict, repr=False)
 
     @property
     def rank(self) -> int:
@@ -118,7 +145,6 @@ def _read_config(path: Path) -> dict:
     unsupported = {
         "use_dora": "DoRA (use_dora)",
         "lora_bias": "LoRA bias (lora_bias)",
-        "modules_to_save": "fully trained modules (modules_to_save)",
         "trainable_token_indices": "trainable tokens (trainable_token_indices)",
         "target_parameters": "parameter targeting (target_parameters)",
         "alora_invocation_tokens": "Activated LoRA, applied from the invocation tokens on (alora_invocation_tokens)",
@@ -132,6 +158,9 @@ def _read_config(path: Path) -> dict:
     for key, what in unsupported.items():
         if config.get(key):
             raise AdapterFormatError(f"{config_path}: {what} is not supported")
+    saved = config.get("modules_to_save")
+    if saved is not None and not (isinstance(saved, list) and all(isinstance(m, str) and m for m in saved)):
+        raise AdapterFormatError(f"{config_path}: modules_to_save must be a list of module names, got {saved!r}")
     if config.get("bias") not in (None, "none"):  # trained base biases are saved with the adapter
         raise AdapterFormatError(f"{config_path}: trained biases (bias = {config['bias']!r}) are not supported")
     for key in ("r", "lora_alpha"):
@@ -190,6 +219,8 @@ def load_peft_adapter(path: str | Path) -> PeftAdapter:
 
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     kinds: dict[str, str] = {}
+    saved_modules = _saved_modules(path, config, tensors)
+    tensors = {k: v for k, v in tensors.items() if not _saved_key(config, k)}
     base_weights = sorted(k for k in tensors if k.endswith(".weight") and "lora_" not in k)
     if base_weights:
         # PEFT's save_embedding_layers stores full embedding / LM-head weights next to the
@@ -213,6 +244,9 @@ def load_peft_adapter(path: str | Path) -> PeftAdapter:
                 if side in pairs.setdefault(module, {}):
                     raise AdapterFormatError(f"{path}: module {module!r} has two LoRA {side.upper()} weights "
                                              f"(with and without the {_PREFIX!r} prefix?)")
+                if module in saved_modules:
+                    raise AdapterFormatError(f"{path}: module {module!r} has LoRA weights and is saved whole "
+                                             "(modules_to_save); PEFT trains a saved module without LoRA")
                 pairs[module][side] = tensor
                 break
         else:
@@ -257,7 +291,39 @@ def load_peft_adapter(path: str | Path) -> PeftAdapter:
             lora_b=b,
             scaling=scaling,
         )
-    return PeftAdapter(path=path, config=config, modules=modules)
+    return PeftAdapter(path=path, config=config, modules=modules, saved_modules=saved_modules)
+
+
+def _saved_key(config: dict, key: str) -> tuple[str, str] | None:
+    """``(module, "weight" | "bias")`` when tensor ``key`` is a parameter of one of the
+    adapter's ``modules_to_save`` (saved as ``base_model.model.<module>.<param>``), else ``None``."""
+    module, _, param = key.removeprefix(_PREFIX).rpartition(".")
+    if param in ("weight", "bias") and "lora_" not in key and module and is_saved_module(config, module):
+        return module, param
+    return None
+
+
+def _saved_modules(path: Path, config: dict, tensors: dict[str, torch.Tensor]) -> dict[str, SavedModuleWeights]:
+    """The adapter's ``modules_to_save`` copies, each a floating-point ``weight`` (2-D) and
+    an optional ``bias`` with one entry per weight row; ``AdapterFormatError`` otherwise."""
+    params: dict[str, dict[str, torch.Tensor]] = {}
+    for key, tensor in tensors.items():
+        hit = _saved_key(config, key)
+        if hit is not None:
+            params.setdefault(hit[0], {})[hit[1]] = tensor
+    saved = {}
+    for module, p in sorted(params.items()):
+        weight, bias = p.get("weight"), p.get("bias")
+        if weight is None or weight.dim() != 2 or not weight.is_floating_point():
+            shape = None if weight is None else tuple(weight.shape)
+            raise AdapterFormatError(f"{path}: saved module {module!r} (modules_to_save) needs a floating-point 2-D "
+                                     f"weight, got {shape}")
+        if bias is not None and (bias.shape != weight.shape[:1] or not bias.is_floating_point()):
+            raise AdapterFormatError(f"{path}: saved module {module!r} (modules_to_save) has a bias of shape "
+                                     f"{tuple(bias.shape)}; expected ({weight.shape[0]},) for its weight of shape "
+                                     f"{tuple(weight.shape)}")
+        saved[module] = SavedModuleWeights(name=module, weight=weight, bias=bias)
+    return saved
 
 
 def save_peft_adapter(

@@ -18,6 +18,7 @@ Adapter weights are given unsharded; tensor-parallel wrappers take their shard.
 | RowParallelLinearWithLoRA | in columns | in columns | full | lora_a, lora_b | all-reduce x2 |
 | EmbeddingWithLoRA | vocab rows | vocab columns | full | added_tokens, lora_a_embedding, lora_b | all-reduce x2 |
 | LMHeadWithLoRA | vocab rows | full | vocab rows | lm_head | all-gather |
+| SavedModule (modules_to_save: a copy per slot) | full | - | - | none | none |
 """
 
 from .column_parallel import (
@@ -32,6 +33,7 @@ from .embedding import EmbeddingWithLoRA
 from .linear import LinearWithLoRA, SliceWeights
 from .lm_head import LMHeadWithLoRA
 from .row_parallel import RowParallelLinearWithLoRA
+from .saved_module import SavedModule
 from .slot_weights import WHOLE_MODULE, ModuleParts, folded_b
 
 __all__ = [
@@ -47,6 +49,7 @@ __all__ = [
     "ModuleParts",
     "QKVParallelLinearWithLoRA",
     "RowParallelLinearWithLoRA",
+    "SavedModule",
     "SliceWeights",
     "WHOLE_MODULE",
     "WrapTarget",

@@ -20,6 +20,7 @@ from .conv1d import Conv1DWithLoRA
 from .embedding import EmbeddingWithLoRA
 from .linear import LinearWithLoRA
 from .lm_head import LMHeadWithLoRA
+from .saved_module import SavedModule
 from .slot_weights import ModuleParts
 
 __all__ = ["LAYER_TYPES", "LayerKind", "wrap_module"]
@@ -56,7 +57,7 @@ class LayerKind(Protocol):
         ...
 
 
-LAYER_TYPES: list[type[nn.Module]] = [EmbeddingWithLoRA, LMHeadWithLoRA, Conv1DWithLoRA, LinearWithLoRA]
+LAYER_TYPES: list[type[nn.Module]] = [SavedModule, EmbeddingWithLoRA, LMHeadWithLoRA, Conv1DWithLoRA, LinearWithLoRA]
 """Layer kinds in dispatch order."""
 
 
