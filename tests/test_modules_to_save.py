@@ -145,3 +145,187 @@ def test_peft_mixed_batch_of_a_saving_adapter_and_base_rows(tiny):
             got = model(ids)
     torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
     assert not torch.allclose(got[0], got[1], rtol=RTOL, atol=ATOL)
+
+
+SMALL = dict(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+             pad_token_id=0, bos_token_id=1, eos_token_id=None)  # no end-of-sequence token: every row generates
+HF_ADAPTERS = {
+    "llama": {
+        "saver": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], modules_to_save=["lm_head", "embed_tokens"]),
+        "header": dict(r=8, lora_alpha=16, target_modules=["o_proj"], modules_to_save=["lm_head"]),
+        "plain": dict(r=8, lora_alpha=16, target_modules=["k_proj", "down_proj"]),
+    },
+    "gpt2": {  # lm_head is tied to wte; PEFT's saved copy of either is untied from the other
+        "saver": dict(r=4, lora_alpha=8, target_modules=["c_attn"], modules_to_save=["lm_head"], fan_in_fan_out=True),
+        "header": dict(r=8, lora_alpha=16, target_modules=["c_fc"], modules_to_save=["wte"], fan_in_fan_out=True),
+        "plain": dict(r=8, lora_alpha=16, target_modules=["c_attn", "mlp.c_proj"], fan_in_fan_out=True),
+    },
+}
+ROUTE = ["saver", None, "header", "plain"]
+
+
+def _hf_base(kind):
+    torch.manual_seed(0)
+    if kind == "llama":
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(hidden_size=64, intermediate_size=128,
+                                                                      **SMALL)).eval()
+    config = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=64, vocab_size=128,
+                                     pad_token_id=0, bos_token_id=1, eos_token_id=None)
+    return transformers.GPT2LMHeadModel(config).eval()
+
+
+def _prompts():
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 128, (len(ROUTE), 7), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = ids[1, :3] = 0  # left padding
+    mask[3, :1] = ids[3, :1] = 0
+    return ids, mask
+
+
+@pytest.mark.parametrize("kind", sorted(HF_ADAPTERS))
+def test_greedy_generate_gives_each_row_peft_single_adapter_tokens(kind, tmp_path):
+    base = _hf_base(kind)
+    peft_model = _peft_model(base, HF_ADAPTERS[kind])
+    paths = _save(peft_model, tmp_path)
+    model = copy.deepcopy(base)
+    mlora = MultiLoRA.from_adapters(model, paths)
+    saved = sorted(n for n, m in mlora.wrapped.items() if isinstance(m, SavedModule))
+    assert saved == (["lm_head", "model.embed_tokens"] if kind == "llama" else ["lm_head", "transformer.wte"])
+    ids, mask = _prompts()
+    kw = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, return_dict_in_generate=True,
+              output_logits=True)
+    want = _single_adapter_rows(peft_model, lambda: peft_model.generate(input_ids=ids, **kw), ROUTE)
+    with mlora.route(ROUTE):
+        got = model.generate(input_ids=ids, **kw)
+    for i, name in enumerate(ROUTE):
+        assert torch.equal(got.sequences[i], want[name].sequences[i]), name
+        for step_got, step_want in zip(got.logits, want[name].logits, strict=True):
+            torch.testing.assert_close(step_got[i], step_want[i], rtol=RTOL, atol=ATOL)
+    new = got.sequences[:, ids.shape[1]:].tolist()
+    assert len(set(map(tuple, new))) == len(ROUTE), new  # each row generates its own tokens
+
+
+def test_sequence_classification_with_a_saved_score_matches_peft_mixed_batch(tmp_path):
+    torch.manual_seed(0)
+    base = transformers.LlamaForSequenceClassification(transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_labels=3, **SMALL)).eval()
+    adapters = {"sentiment": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
+                "topic": dict(r=8, lora_alpha=8, target_modules=["o_proj"])}
+    peft_model = _peft_model(base, adapters, task_type="SEQ_CLS")  # SEQ_CLS saves "classifier" and "score"
+    paths = _save(peft_model, tmp_path)
+    assert set(load_peft_adapter(paths["topic"]).saved_modules) == {"score"}
+    model = copy.deepcopy(base)
+    mlora = MultiLoRA.from_adapters(model, paths)
+    assert isinstance(model.score, SavedModule)
+    ids, mask = _prompts()
+    route = ["topic", None, "sentiment", "topic"]
+    with torch.no_grad():
+        want = peft_model(input_ids=ids, attention_mask=mask, adapter_names=[a or "__base__" for a in route]).logits
+        with mlora.route(route):
+            got = model(input_ids=ids, attention_mask=mask).logits
+        plain = base(input_ids=ids, attention_mask=mask).logits
+    torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
+    assert [torch.allclose(got[i], plain[i], rtol=RTOL, atol=ATOL) for i in range(4)] == [False, True, False, False]
+
+
+def test_a_pruned_lm_head_runs_each_requests_last_row_through_its_copy(tiny):
+    base, peft_model, paths = tiny
+    model = copy.deepcopy(base)
+    mlora = MultiLoRA.from_adapters(model, paths)
+    seq_lens, adapters = [3, 0, 2, 4, 1], ["header", "saver", None, "plain", "saver"]
+    mlora.set_batch(seq_lens, adapters)
+    hidden = torch.randn(4, CONFIG.hidden_size, generator=torch.Generator().manual_seed(3))  # 4 non-empty requests
+    with torch.no_grad():
+        got = model.lm_head(hidden)
+    head = peft_model.base_model.model.lm_head
+    rows = [a for n, a in zip(seq_lens, adapters) if n]
+    want = torch.stack([(head.modules_to_save[a] if a in head.modules_to_save else head.original_module)(h)
+                        for h, a in zip(hidden, rows)]).detach()
+    torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
+    with pytest.raises(ValueError, match=r"got 5 rows; expected every token \(10\) or the last token of each request \(4\)"):
+        model.lm_head(torch.randn(5, CONFIG.hidden_size))
+
+
+@pytest.mark.parametrize("backend", available_backends())
+def test_compiled_graph_mode_serves_new_batches_and_adapters_without_a_recompile(backend, tiny):
+    base, peft_model, paths = tiny
+    model = copy.deepcopy(base)
+    mlora = MultiLoRA(model, ["q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "down_proj"], max_loras=3,
+                      max_rank=8, backend=backend, modules_to_save=["lm_head", "embed_tokens"])
+    mlora.load_adapter("plain", paths["plain"])
+    T = 12
+    mlora.enable_graph(T)
+    compiles = []
+
+    def counting(gm, example_inputs):
+        compiles.append(gm)
+        return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+
+    compiled = torch.compile(model, backend=counting, fullgraph=True)
+    ids = torch.randint(0, CONFIG.vocab_size, (T,), generator=torch.Generator().manual_seed(4))
+    torch._dynamo.reset()
+    with torch.no_grad():
+        mlora.set_batch([6, 6], ["plain", None])
+        compiled(ids)
+        for name in ("saver", "header"):  # new adapters, loaded into the preallocated copies
+            mlora.load_adapter(name, paths[name])
+        for seq_lens, adapters in [([3, 5, 1, 3], ["plain", "saver", None, "header"]), ([1, 11], ["saver", "header"])]:
+            mlora.set_batch(seq_lens, adapters)
+            with torch._dynamo.config.patch(error_on_recompile=True):
+                got = compiled(ids).clone()
+            torch.testing.assert_close(got, _tiny_peft_logits(peft_model, ids, seq_lens, adapters), rtol=RTOL, atol=ATOL)
+    assert len(compiles) == 1
+
+
+def test_unload_runs_the_slots_rows_through_the_base_module_again(tiny):
+    base, peft_model, paths = tiny
+    model = copy.deepcopy(base)
+    mlora = MultiLoRA.from_adapters(model, paths)
+    slot = mlora.adapters["saver"]
+    mlora.unload_adapter("saver")
+    assert not model.lm_head.held[slot] and not model.lm_head.weight[slot].any()
+    mlora.load_adapter("saver", paths["plain"])  # another adapter in the freed slot, with no saved modules
+    ids = torch.randint(0, CONFIG.vocab_size, (4,), generator=torch.Generator().manual_seed(5))
+    mlora.set_batch([4], ["saver"])
+    with torch.no_grad():
+        got = model(ids)
+    torch.testing.assert_close(got, _tiny_peft_logits(peft_model, ids, [4], ["plain"]), rtol=RTOL, atol=ATOL)
+
+
+def test_a_module_is_lora_targeted_or_saved_never_both(tmp_path, tiny):
+    base, peft_model, paths = tiny
+    lora_head = _save(_peft_model(base, {"lorahead": dict(r=4, lora_alpha=8, target_modules=["lm_head"])}),
+                      tmp_path / "lorahead")["lorahead"]
+    with pytest.raises(ValueError, match=r"adapter 'lorahead' has LoRA weights for 'lm_head', which is served as a "
+                                         r"saved module \(modules_to_save\)"):
+        MultiLoRA.from_adapters(copy.deepcopy(base), {"saver": paths["saver"], "lorahead": lora_head})
+    mlora = MultiLoRA.from_adapters(copy.deepcopy(base), {"lorahead": lora_head}, max_loras=2)
+    with pytest.raises(ValueError, match=r"adapter 'saver' saves 'lm_head' whole \(modules_to_save\), which is "
+                                         r"LoRA-targeted"):
+        mlora.load_adapter("saver", paths["saver"])
+    assert list(mlora.adapters) == ["lorahead"]
+    mlora = MultiLoRA(copy.deepcopy(base), ["q_proj", "v_proj"], max_rank=8)
+    with pytest.raises(ValueError, match=r"adapter 'saver' saves 'lm_head' whole \(modules_to_save\), which is "
+                                         r"not wrapped"):
+        mlora.load_adapter("saver", paths["saver"])
+    assert not mlora.adapters
+
+
+def test_a_saved_copy_of_another_shape_is_refused_naming_module_and_shapes(tmp_path, tiny):
+    base, _, paths = tiny
+    bigger = TinyDecoder(TinyConfig(**{**CONFIG.to_dict(), "vocab_size": 100}))
+    wide = _save(_peft_model(bigger, {"wide": ADAPTERS["header"]}), tmp_path / "wide")["wide"]
+    mlora = MultiLoRA(copy.deepcopy(base), ["o_proj", "down_proj"], max_rank=8, modules_to_save=["lm_head"])
+    with pytest.raises(ValueError, match=r"adapter 'wide' does not fit module 'lm_head': the saved weight has shape "
+                                         r"\(100, 32\), the module's weight \(96, 32\)"):
+        mlora.load_adapter("wide", wide)
+    assert not mlora.adapters and not mlora.wrapped["lm_head"].held.any()
+
+
+def test_graph_mode_refuses_an_adapter_saving_a_module_not_wrapped_before(tiny):
+    base, _, paths = tiny
+    mlora = MultiLoRA.from_adapters(copy.deepcopy(base), {"plain": paths["plain"]}, max_loras=2)
+    mlora.enable_graph(8)
+    with pytest.raises(ValueError, match="in graph mode the wrapped modules are fixed"):
+        mlora.load_adapter("saver", paths["saver"])
