@@ -329,3 +329,18 @@ def test_graph_mode_refuses_an_adapter_saving_a_module_not_wrapped_before(tiny):
     mlora.enable_graph(8)
     with pytest.raises(ValueError, match="in graph mode the wrapped modules are fixed"):
         mlora.load_adapter("saver", paths["saver"])
+
+
+def test_lora_sim_serves_a_saving_adapter_and_reports_the_memory_per_slot(tmp_path, capsys):
+    from lora_layers import sim
+    from lora_layers.sim.workload import DEFAULT_CONFIG
+
+    base = TinyDecoder(TinyConfig(**{**DEFAULT_CONFIG.to_dict(), "fused": False}))  # PEFT's names; served fused
+    paths = _save(_peft_model(base, {"saver": ADAPTERS["saver"], "plain": ADAPTERS["plain"]}), tmp_path)
+    argv = [f"--adapter=saver={paths['saver']}", f"--adapter=plain={paths['plain']}", "--device", "cpu",
+            "--backend", "torch_native", "--rounds", "3", "--decode-steps", "1"]
+    assert sim.main(argv) == 0
+    out = capsys.readouterr().out
+    copies = 2 * DEFAULT_CONFIG.vocab_size * DEFAULT_CONFIG.hidden_size * 4 / 2**20  # lm_head and embed_tokens, fp32
+    assert f"saved modules (modules_to_save) {copies:,.2f} MiB" in out.splitlines()[3]
+    assert "| torch_native | cpu | pass |" in out

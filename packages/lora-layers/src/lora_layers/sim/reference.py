@@ -22,13 +22,19 @@ def merged_reference_models(base: TinyDecoder, adapter_paths: Mapping[str, Path]
     """fp32 copies of ``base``, one per adapter with it merged into the weights
     (``W += scaling * B @ A``; an embedding's delta transposed; a PEFT module that
     lives in a fused module lands in its slice, of the widths
-    :func:`lora_layers.packing.infer_slice_widths` gives), and the unmerged copy
-    under the key ``None``."""
+    :func:`lora_layers.packing.infer_slice_widths` gives; a module the adapter trained
+    whole, ``modules_to_save``, is replaced by its copy), and the unmerged copy under
+    the key ``None``."""
     models: dict[str | None, TinyDecoder] = {None: copy.deepcopy(base).float()}
     for name, path in adapter_paths.items():
         merged = copy.deepcopy(base).float()
         params = dict(merged.named_parameters())
-        for module, w in load_peft_adapter(path).modules.items():
+        adapter = load_peft_adapter(path)
+        for module, saved in adapter.saved_modules.items():
+            params[f"{module}.weight"].data.copy_(saved.weight)
+            if saved.bias is not None:
+                params[f"{module}.bias"].data.copy_(saved.bias)
+        for module, w in adapter.modules.items():
             delta = w.scaling * (w.lora_b.float() @ w.lora_a.float())
             if w.kind == "embedding":
                 params[f"{module}.weight"].data += delta.T
