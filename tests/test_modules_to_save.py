@@ -344,3 +344,10 @@ def test_lora_sim_serves_a_saving_adapter_and_reports_the_memory_per_slot(tmp_pa
     copies = 2 * DEFAULT_CONFIG.vocab_size * DEFAULT_CONFIG.hidden_size * 4 / 2**20  # lm_head and embed_tokens, fp32
     assert f"saved modules (modules_to_save) {copies:,.2f} MiB" in out.splitlines()[3]
     assert "| torch_native | cpu | pass |" in out
+
+
+def test_only_linear_and_embedding_modules_are_served_as_saved_modules(tiny):
+    base, _, _ = tiny
+    with pytest.raises(TypeError, match=r"cannot serve 'model.norm' as a saved module \(modules_to_save\): only "
+                                        r"nn.Linear and nn.Embedding modules are, got a LayerNorm"):
+        MultiLoRA(copy.deepcopy(base), ["q_proj"], modules_to_save=["model.norm"])
