@@ -80,7 +80,8 @@ def _active(peft_model, name):
 
 
 def _single_adapter_rows(peft_model, call, route):
-    """Row ``i`` of ``call()`` with ``route[i]`` active alone: PEFT's single-adapter result per row."""
+    """``call()`` with each adapter of ``route`` active alone, by name (``None``: the base model):
+    row ``i`` of ``outs[route[i]]`` is PEFT's single-adapter result for row ``i``."""
     outs = {}
     with torch.no_grad():
         for name in dict.fromkeys(route):
@@ -151,7 +152,8 @@ SMALL = dict(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, 
              pad_token_id=0, bos_token_id=1, eos_token_id=None)  # no end-of-sequence token: every row generates
 HF_ADAPTERS = {
     "llama": {
-        "saver": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], modules_to_save=["lm_head", "embed_tokens"]),
+        "saver": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                      modules_to_save=["lm_head", "embed_tokens"]),
         "header": dict(r=8, lora_alpha=16, target_modules=["o_proj"], modules_to_save=["lm_head"]),
         "plain": dict(r=8, lora_alpha=16, target_modules=["k_proj", "down_proj"]),
     },
@@ -243,7 +245,8 @@ def test_a_pruned_lm_head_runs_each_requests_last_row_through_its_copy(tiny):
     want = torch.stack([(head.modules_to_save[a] if a in head.modules_to_save else head.original_module)(h)
                         for h, a in zip(hidden, rows)]).detach()
     torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
-    with pytest.raises(ValueError, match=r"got 5 rows; expected every token \(10\) or the last token of each request \(4\)"):
+    with pytest.raises(ValueError, match=r"got 5 rows; expected every token \(10\) or the last token of each "
+                                         r"request \(4\)"):
         model.lm_head(torch.randn(5, CONFIG.hidden_size))
 
 
@@ -274,7 +277,8 @@ def test_compiled_graph_mode_serves_new_batches_and_adapters_without_a_recompile
             mlora.set_batch(seq_lens, adapters)
             with torch._dynamo.config.patch(error_on_recompile=True):
                 got = compiled(ids).clone()
-            torch.testing.assert_close(got, _tiny_peft_logits(peft_model, ids, seq_lens, adapters), rtol=RTOL, atol=ATOL)
+            want = _tiny_peft_logits(peft_model, ids, seq_lens, adapters)
+            torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
     assert len(compiles) == 1
 
 

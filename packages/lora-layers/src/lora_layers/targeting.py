@@ -163,8 +163,8 @@ class TargetModules:
                 raise ValueError(f"adapter {name!r} saves {module_name!r} (modules_to_save), which is not a module of "
                                  f"{type(self.model).__name__}")
         if fixed and (lora or saved):
-            raise ValueError(f"adapter {name!r} targets {(lora or saved)[0]!r}, which is not wrapped; in graph mode the "
-                             "wrapped modules are fixed (wrap it before enable_graph)")
+            raise ValueError(f"adapter {name!r} targets {(lora or saved)[0]!r}, which is not wrapped; in graph mode "
+                             "the wrapped modules are fixed (wrap it before enable_graph)")
         self.modules_to_save.update(saved)
         for module_name in lora + saved:
             self.wrap_one(module_name, base[module_name])

@@ -43,7 +43,8 @@ class SavedModule(nn.Module):
     def __init__(self, base_layer: nn.Module, context: LoRAContext, *, lm_head: bool = False) -> None:
         super().__init__()
         if not isinstance(base_layer, (nn.Linear, nn.Embedding)):
-            raise TypeError(f"modules_to_save serves nn.Linear and nn.Embedding modules, got {type(base_layer).__name__}")
+            raise TypeError("modules_to_save serves nn.Linear and nn.Embedding modules, "
+                            f"got {type(base_layer).__name__}")
         self.base_layer = base_layer
         self.context = context
         self.lm_head = lm_head
@@ -87,8 +88,8 @@ class SavedModule(nn.Module):
             raise ValueError(f"the saved weight has shape {tuple(saved.weight.shape)}, the module's weight "
                              f"{tuple(self.weight.shape[1:])}")
         if (saved.bias is None) != (self.bias is None):
-            has = "has" if saved.bias is not None else "has no"
-            raise ValueError(f"the saved copy {has} bias, the module {'has' if self.bias is not None else 'has no'} bias")
+            copy_has, module_has = ("has", "has no") if saved.bias is not None else ("has no", "has")
+            raise ValueError(f"the saved copy {copy_has} bias, the module {module_has} bias")
         self.weight[slot].copy_(saved.weight)
         if self.bias is not None:
             self.bias[slot].copy_(saved.bias)
