@@ -23,10 +23,12 @@ import torch
 peft = pytest.importorskip("peft", reason="needs peft (tests/requirements.txt)")
 transformers = pytest.importorskip("transformers", reason="needs transformers (tests/requirements.txt)")
 
-from lora_core import available_backends, load_peft_adapter  # noqa: E402
+from lora_core import available_backends, build_batch_info, get_backend, load_peft_adapter  # noqa: E402
+from lora_core.adapters import SavedModuleWeights  # noqa: E402
+from lora_core.reference import reference_saved_linear  # noqa: E402
 from lora_core.testing import TOLERANCES  # noqa: E402
 from lora_layers import MultiLoRA, TinyConfig, TinyDecoder  # noqa: E402
-from lora_layers.layers import SavedModule  # noqa: E402
+from lora_layers.layers import WHOLE_MODULE, LoRAContext, SavedModule  # noqa: E402
 
 CONFIG = TinyConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                     num_attention_heads=4, num_key_value_heads=2, seed=3)
@@ -357,3 +359,39 @@ def test_only_linear_and_embedding_modules_are_served_as_saved_modules(tiny):
     with pytest.raises(TypeError, match=r"cannot serve 'model.norm' as a saved module \(modules_to_save\): only "
                                         r"nn.Linear and nn.Embedding modules are, got a LayerNorm"):
         MultiLoRA(copy.deepcopy(base), ["q_proj"], modules_to_save=["model.norm"])
+
+
+@pytest.mark.parametrize("backend", available_backends())
+def test_a_saved_linear_with_bias_against_the_reference(device, backend):
+    # random sizes, rows of slot -1, a slot without a copy (holding garbage), batch B other than A
+    gen = torch.Generator().manual_seed(11)
+    d_in, d_out = (int(v) for v in torch.randint(3, 40, (2,), generator=gen))
+    slots = 4
+    dev = device.torch_device
+    context = LoRAContext(get_backend(backend)(dev), num_slots=slots, max_rank=4, dtype=torch.float32, device=dev)
+    layer = SavedModule(torch.nn.Linear(d_in, d_out).to(dev), context)
+    for slot in (0, 2):
+        layer.load_slot(slot, {WHOLE_MODULE: SavedModuleWeights("head", torch.randn(d_out, d_in, generator=gen),
+                                                                torch.randn(d_out, generator=gen))}, 1.0)
+    layer.weight[1], layer.bias[1] = 1e4, 1e4  # slot 1 holds no copy: never read
+    batch_a, batch_b = ([3, 2, 4], [0, 1, None]), ([1, 5, 3], [2, None, 0])
+    T = sum(batch_a[0])
+    ranks, scalings = [4] * slots, [1.0] * slots
+    backend_obj = context.backend
+
+    def describe(seq_lens, slot_ids):
+        if device.is_graph:
+            backend_obj.batch_info.refill(seq_lens, slot_ids)
+        else:
+            backend_obj.prepare_batch(build_batch_info(seq_lens, slot_ids, ranks, scalings, device=dev))
+
+    if device.is_graph:
+        backend_obj.prepare_batch(backend_obj.init_graph_batch_info(T, ranks, scalings))
+    describe(*batch_a)
+    x = torch.randn(T, d_in, generator=gen)
+    out_a, out_b = device.run_two_batches(layer, [x.to(dev)], lambda: describe(*batch_b))
+    base_out = torch.nn.functional.linear(x, layer.base_layer.weight.cpu(), layer.base_layer.bias.cpu())
+    for out, batch in ((out_a, batch_a), (out_b, batch_b)):
+        info = build_batch_info(*batch, ranks, scalings, device="cpu")
+        want = reference_saved_linear(x, info, layer.held, layer.weight, layer.bias, base_out)
+        torch.testing.assert_close(out.cpu(), want, rtol=RTOL, atol=ATOL)
