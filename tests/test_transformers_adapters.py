@@ -120,7 +120,6 @@ def test_an_activated_lora_is_refused_not_applied_to_every_token(tmp_path, capsy
 @pytest.mark.parametrize(("config", "feature"), [
     (dict(bias="lora_only"), "bias = 'lora_only'"),
     (dict(bias="all"), "bias = 'all'"),
-    (dict(modules_to_save=["lm_head"]), "modules_to_save"),
     (dict(layer_replication=[[0, 2], [1, 2]]), "layer_replication"),
     (dict(trainable_token_indices=[3, 4]), "trainable_token_indices"),
 ])

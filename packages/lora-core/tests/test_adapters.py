@@ -51,6 +51,21 @@ def test_bin_weights_load_with_weights_only(tmp_path):
     assert len(load_peft_adapter(tmp_path).modules) == 3
 
 
+_FC = {"base_model.model.fc.lora_A.weight": torch.ones(2, 3), "base_model.model.fc.lora_B.weight": torch.ones(4, 2)}
+
+
+def test_saved_modules_are_read_with_the_lora_weights(tmp_path):
+    # PEFT's modules_to_save: the module's own copy, saved as base_model.model.<module>.weight / .bias
+    head, bias, table = torch.randn(5, 3), torch.randn(5), torch.randn(7, 3)
+    adapter = load_peft_adapter(_write(tmp_path, {"modules_to_save": ["score", "embed_tokens", "classifier"]}, {
+        **_FC, "base_model.model.score.weight": head, "base_model.model.score.bias": bias,
+        "base_model.model.model.embed_tokens.weight": table}))
+    assert set(adapter.modules) == {"fc"} and set(adapter.saved_modules) == {"score", "model.embed_tokens"}
+    score, embed = adapter.saved_modules["score"], adapter.saved_modules["model.embed_tokens"]
+    assert score.kind == "saved" and torch.equal(score.weight, head) and torch.equal(score.bias, bias)
+    assert torch.equal(embed.weight, table) and embed.bias is None
+
+
 def _write(tmp_path, config=None, tensors=None):
     base = {"peft_type": "LORA", "r": 2, "lora_alpha": 4}
     (tmp_path / "adapter_config.json").write_text(json.dumps({**base, **(config or {})}))
@@ -73,7 +88,14 @@ def _write(tmp_path, config=None, tensors=None):
          "magnitude vector for module 'up', which has no LoRA weights"),
         ({"lora_bias": True}, None, AdapterFormatError, "LoRA bias"),
         ({"peft_type": "IA3"}, None, AdapterFormatError, "peft_type 'IA3' is not supported"),
-        ({"modules_to_save": ["lm_head"]}, None, AdapterFormatError, "modules_to_save"),
+        ({"modules_to_save": "lm_head"}, None, AdapterFormatError, "modules_to_save must be a list"),
+        ({"modules_to_save": ["head"]}, {**_FC, "base_model.model.head.weight": torch.ones(4)}, AdapterFormatError,
+         r"saved module 'head' \(modules_to_save\) needs a floating-point 2-D weight, got \(4,\)"),
+        ({"modules_to_save": ["head"]}, {**_FC, "base_model.model.head.weight": torch.ones(4, 3),
+                                         "base_model.model.head.bias": torch.ones(3)}, AdapterFormatError,
+         r"saved module 'head' \(modules_to_save\) has a bias of shape \(3,\); expected \(4,\)"),
+        ({"modules_to_save": ["fc"]}, {**_FC, "base_model.model.fc.weight": torch.ones(4, 3)}, AdapterFormatError,
+         "module 'fc' has LoRA weights and is saved whole"),
         ({"r": 0}, None, AdapterFormatError, "r must be a positive number"),
         ({"r": 3}, None, AdapterFormatError, "module 'fc' has rank 2 but adapter_config.json declares r = 3"),
         ({}, {"base_model.model.fc.lora_A.weight": torch.ones(2, 3)}, AdapterFormatError, "has no LoRA B weight"),

@@ -5,10 +5,11 @@ from .adapters import (
     AdapterFormatError,
     LoRAModuleWeights,
     PeftAdapter,
+    SavedModuleWeights,
     load_peft_adapter,
     peft_scaling,
-    save_peft_adapter,
 )
+from .adapter_writer import save_peft_adapter
 from .backend import BatchInfoBackend, LoRABackend, available_backends, get_backend
 from .batch_info import BatchInfo, build_batch_info
 from .graphs import is_capturing
@@ -26,6 +27,7 @@ __all__ = [
     "LoRABackend",
     "LoRAModuleWeights",
     "PeftAdapter",
+    "SavedModuleWeights",
     "available_backends",
     "build_batch_info",
     "get_backend",

@@ -5,6 +5,8 @@ serving it needs those modules wrapped. The rules are PEFT's
 (``check_target_module_exists``), applied to a module's full name in the base
 model (``model.layers.0.self_attn.q_proj``):
 
+* ``modules_to_save`` (modules the adapter trains whole) and anything inside
+  them get no LoRA layer (PEFT's ``check_target_module_exists``).
 * ``exclude_modules`` first: a string is a regex that must match the whole name
   (``re.fullmatch``); a list excludes a name equal to an entry or ending in
   ``"." + entry``.
@@ -75,6 +77,11 @@ def _excluded(config: Mapping, name: str) -> bool:
     return name in exclude or any(name.endswith(f".{e}") for e in exclude)
 
 
+def _saved_whole(config: Mapping, name: str) -> bool:
+    """PEFT's rule: a module of ``modules_to_save`` (or inside one) gets no LoRA layer."""
+    return any(re.match(rf"(^|.*\.){m}($|\..*)", name) for m in config.get("modules_to_save") or ())
+
+
 def _layer_index(config: Mapping, name: str) -> int | None:
     pattern = config.get("layers_pattern")
     if not pattern:
@@ -95,7 +102,7 @@ def matches_target(config: Mapping, name: str, *, linear_modules: Collection[str
     ``linear_modules`` (the names of the model's linear modules) and
     ``output_embedding`` (its LM head's name) are needed only for ``"all-linear"``.
     """
-    if _excluded(config, name):
+    if _excluded(config, name) or _saved_whole(config, name):
         return False
     targets = config.get("target_modules")
     if isinstance(targets, str):

@@ -9,8 +9,11 @@ Scaling follows PEFT: ``lora_alpha / r``, or ``lora_alpha / sqrt(r)`` with
 ``use_rslora``, where ``rank_pattern`` / ``alpha_pattern`` override ``r`` and
 ``lora_alpha`` per module. A DoRA adapter (``use_dora``) also holds each module's
 ``...<module>.lora_magnitude_vector`` (``(out,)``, an embedding's ``(D,)``;
-:mod:`lora_core.dora`). Anything else the math here does not cover (LoRA bias,
-``modules_to_save``, other PEFT types) is rejected with a clear error.
+:mod:`lora_core.dora`). Modules the adapter trained whole (PEFT's
+``modules_to_save``, e.g. ``lm_head``, ``embed_tokens``, a classifier ``score``)
+are saved as ``base_model.model.<module>.weight`` (and ``.bias``) and read into
+:attr:`PeftAdapter.saved_modules`. Anything else the math here does not cover
+(LoRA bias, other PEFT types) is rejected with a clear error.
 """
 
 from __future__ import annotations
@@ -27,7 +30,8 @@ import torch
 
 from .checks import FLOAT32_MAX, check_finite_float
 
-__all__ = ["LoRAModuleWeights", "PeftAdapter", "load_peft_adapter", "save_peft_adapter", "peft_scaling", "AdapterFormatError"]
+__all__ = ["LoRAModuleWeights", "PeftAdapter", "load_peft_adapter", "peft_scaling", "AdapterFormatError",
+           "SavedModuleWeights", "is_saved_module"]
 
 CONFIG_NAME = "adapter_config.json"
 SAFETENSORS_NAME = "adapter_model.safetensors"
@@ -69,8 +73,30 @@ class LoRAModuleWeights:
 
 
 @dataclass(frozen=True)
+class SavedModuleWeights:
+    """One module the adapter trained whole (PEFT's ``modules_to_save``): its own copy's parameters.
+
+    ``weight``: ``(out, in)`` for a linear layer, ``(V, D)`` for an embedding;
+    ``bias``: ``(out,)``, or ``None`` when the module has none. ``kind`` is
+    ``"saved"`` (a LoRA pair's is ``"linear"`` or ``"embedding"``).
+    """
+
+    name: str
+    weight: torch.Tensor
+    bias: torch.Tensor | None = None
+    kind = "saved"
+
+
+def is_saved_module(config: dict, module: str) -> bool:
+    """Whether ``module`` is one of ``config``'s ``modules_to_save`` (PEFT's ``_set_trainable``
+    rule: the module's name ends with an entry, e.g. ``lm_head``, ``model.embed_tokens``)."""
+    return any(module.endswith(m) for m in config.get("modules_to_save") or ())
+
+
+@dataclass(frozen=True)
 class PeftAdapter:
-    """A loaded PEFT LoRA adapter: its config and the weights of each module it targets."""
+    """A loaded PEFT LoRA adapter: its config, the LoRA weights of each module it targets,
+    and the modules it trained whole (``modules_to_save``), by module name."""
 
     path: Path
     config: dict
@@ -78,6 +104,7 @@ class PeftAdapter:
     parameter_pairs: dict[str, tuple[tuple[torch.Tensor, torch.Tensor], ...]] = field(default_factory=dict, repr=False)
     """Modules with ``target_parameters`` weights not named yet: module -> its saved
     ``(lora_A, lora_B)`` pairs, outermost wrapper first (:meth:`with_parameters` names them)."""
+    saved_modules: dict[str, SavedModuleWeights] = field(default_factory=dict, repr=False)
 
     @property
     def rank(self) -> int:
@@ -101,7 +128,7 @@ class PeftAdapter:
                 raise AdapterFormatError(f"{self.path}: target_parameters weights for module {module!r}, "
                                          "which the model does not have") from None
             modules.update(name_parameter_weights(self.config, module, pairs, names, where=str(self.path)))
-        return PeftAdapter(path=self.path, config=self.config, modules=modules)
+        return PeftAdapter(path=self.path, config=self.config, modules=modules, saved_modules=self.saved_modules)
 
     @property
     def use_rslora(self) -> bool:
@@ -150,7 +177,6 @@ def _read_config(path: Path) -> dict:
         raise AdapterFormatError(f"{config_path}: peft_type {peft_type!r} is not supported (only LORA)")
     unsupported = {
         "lora_bias": "LoRA bias (lora_bias)",
-        "modules_to_save": "fully trained modules (modules_to_save)",
         "trainable_token_indices": "trainable tokens (trainable_token_indices)",
         "alora_invocation_tokens": "Activated LoRA, applied from the invocation tokens on (alora_invocation_tokens)",
         "use_qalora": "QALoRA's pooled inputs (use_qalora)",
@@ -163,6 +189,9 @@ def _read_config(path: Path) -> dict:
     for key, what in unsupported.items():
         if config.get(key):
             raise AdapterFormatError(f"{config_path}: {what} is not supported")
+    saved = config.get("modules_to_save")
+    if saved is not None and not (isinstance(saved, list) and all(isinstance(m, str) and m for m in saved)):
+        raise AdapterFormatError(f"{config_path}: modules_to_save must be a list of module names, got {saved!r}")
     if config.get("bias") not in (None, "none"):  # trained base biases are saved with the adapter
         raise AdapterFormatError(f"{config_path}: trained biases (bias = {config['bias']!r}) are not supported")
     for key in ("r", "lora_alpha"):
@@ -223,6 +252,8 @@ def load_peft_adapter(path: str | Path) -> PeftAdapter:
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     kinds: dict[str, str] = {}
     magnitudes: dict[str, torch.Tensor] = {}
+    saved_modules = _saved_modules(path, config, tensors)
+    tensors = {k: v for k, v in tensors.items() if not _saved_key(config, k)}
     base_weights = sorted(k for k in tensors if k.endswith(".weight") and "lora_" not in k)
     if base_weights:
         # PEFT's save_embedding_layers stores full embedding / LM-head weights next to the
@@ -250,6 +281,9 @@ def load_peft_adapter(path: str | Path) -> PeftAdapter:
                 if side in pairs.setdefault(module, {}):
                     raise AdapterFormatError(f"{path}: module {module!r} has two LoRA {side.upper()} weights "
                                              f"(with and without the {_PREFIX!r} prefix?)")
+                if module in saved_modules:
+                    raise AdapterFormatError(f"{path}: module {module!r} has LoRA weights and is saved whole "
+                                             "(modules_to_save); PEFT trains a saved module without LoRA")
                 pairs[module][side] = tensor
                 break
         else:
@@ -299,7 +333,8 @@ def load_peft_adapter(path: str | Path) -> PeftAdapter:
             scaling=scaling,
             magnitude=magnitudes.get(module),
         )
-    return PeftAdapter(path=path, config=config, modules=modules, parameter_pairs=parameter_pairs)
+    return PeftAdapter(path=path, config=config, modules=modules, parameter_pairs=parameter_pairs,
+                       saved_modules=saved_modules)
 
 
 def _check_magnitudes(path: Path, use_dora: bool, pairs: dict, kinds: dict[str, str],
@@ -323,67 +358,33 @@ def _check_magnitudes(path: Path, use_dora: bool, pairs: dict, kinds: dict[str, 
                                      f"{tuple(m.shape)}; expected ({b.shape[0]},), one per output feature")
 
 
-def save_peft_adapter(
-    path: str | Path,
-    modules: dict[str, tuple[torch.Tensor, torch.Tensor]],
-    *,
-    lora_alpha: float,
-    r: int | None = None,
-    use_rslora: bool = False,
-    embedding_modules: tuple[str, ...] = (),
-    rank_pattern: dict[str, int] | None = None,
-    alpha_pattern: dict[str, float] | None = None,
-    base_model_name_or_path: str | None = None,
-    parameters: Mapping[str, Sequence[tuple[str, torch.Tensor, torch.Tensor]]] | None = None,
-) -> Path:
-    """Write an adapter in PEFT's on-disk format (what ``save_pretrained`` writes).
+def _saved_key(config: dict, key: str) -> tuple[str, str] | None:
+    """``(module, "weight" | "bias")`` when tensor ``key`` is a parameter of one of the
+    adapter's ``modules_to_save`` (saved as ``base_model.model.<module>.<param>``), else ``None``."""
+    module, _, param = key.removeprefix(_PREFIX).rpartition(".")
+    if param in ("weight", "bias") and "lora_" not in key and module and is_saved_module(config, module):
+        return module, param
+    return None
 
-    ``modules`` maps a module name to ``(A, B)``: ``A (r, in)``, ``B (out, r)``
-    (embeddings, named in ``embedding_modules``: ``A (r, V)``, ``B (D, r)``).
-    ``parameters`` maps a module name to its targeted parameters (``target_parameters``,
-    e.g. fused experts) in the module's registration order, each ``(name, A (E, r, in),
-    B (E, out, r))``, saved as PEFT's nested parameter wrappers (docs/moe.md).
-    ``r`` defaults to the most common module rank.
-    """
-    from safetensors.torch import save_file
 
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    ranks = [a.shape[0] for a, _ in modules.values()] + [a.shape[1] for p in (parameters or {}).values()
-                                                          for _, a, _ in p]
-    r = r if r is not None else max(set(ranks), key=ranks.count)
-    tensors = {}
-    for name, (a, b) in modules.items():
-        if name in embedding_modules:
-            tensors[f"{_PREFIX}{name}.lora_embedding_A"] = a.contiguous()
-            tensors[f"{_PREFIX}{name}.lora_embedding_B"] = b.contiguous()
-        else:
-            tensors[f"{_PREFIX}{name}.lora_A.weight"] = a.contiguous()
-            tensors[f"{_PREFIX}{name}.lora_B.weight"] = b.contiguous()
-    target_parameters = set()
-    for module, params in (parameters or {}).items():
-        for depth, (param, a, b) in enumerate(reversed(params)):  # the last parameter is the outermost wrapper
-            experts, rank, _ = a.shape
-            key = f"{_PREFIX}{module}" + ".base_layer" * depth
-            tensors[f"{key}.lora_A.weight"] = a.reshape(experts * rank, -1).contiguous()
-            tensors[f"{key}.lora_B.weight"] = b.permute(1, 2, 0).reshape(b.shape[1], rank * experts).contiguous()
-            target_parameters.add(f"{module.rsplit('.', 1)[-1]}.{param}")
-    save_file(tensors, str(path / SAFETENSORS_NAME))
-    config = {
-        "peft_type": "LORA",
-        "task_type": "CAUSAL_LM",
-        "base_model_name_or_path": base_model_name_or_path,
-        "r": r,
-        "lora_alpha": lora_alpha,
-        "use_rslora": use_rslora,
-        "target_modules": sorted({name.rsplit(".", 1)[-1] for name in modules}),
-        "rank_pattern": rank_pattern or {},
-        "alpha_pattern": alpha_pattern or {},
-        "lora_dropout": 0.0,
-        "bias": "none",
-        "use_dora": False,
-        "modules_to_save": None,
-        "target_parameters": sorted(target_parameters) or None,
-    }
-    (path / CONFIG_NAME).write_text(json.dumps(config, indent=2))
-    return path
+def _saved_modules(path: Path, config: dict, tensors: dict[str, torch.Tensor]) -> dict[str, SavedModuleWeights]:
+    """The adapter's ``modules_to_save`` copies, each a floating-point ``weight`` (2-D) and
+    an optional ``bias`` with one entry per weight row; ``AdapterFormatError`` otherwise."""
+    params: dict[str, dict[str, torch.Tensor]] = {}
+    for key, tensor in tensors.items():
+        hit = _saved_key(config, key)
+        if hit is not None:
+            params.setdefault(hit[0], {})[hit[1]] = tensor
+    saved = {}
+    for module, p in sorted(params.items()):
+        weight, bias = p.get("weight"), p.get("bias")
+        if weight is None or weight.dim() != 2 or not weight.is_floating_point():
+            shape = None if weight is None else tuple(weight.shape)
+            raise AdapterFormatError(f"{path}: saved module {module!r} (modules_to_save) needs a floating-point 2-D "
+                                     f"weight, got {shape}")
+        if bias is not None and (bias.shape != weight.shape[:1] or not bias.is_floating_point()):
+            raise AdapterFormatError(f"{path}: saved module {module!r} (modules_to_save) has a bias of shape "
+                                     f"{tuple(bias.shape)}; expected ({weight.shape[0]},) for its weight of shape "
+                                     f"{tuple(weight.shape)}")
+        saved[module] = SavedModuleWeights(name=module, weight=weight, bias=bias)
+    return saved

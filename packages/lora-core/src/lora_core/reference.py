@@ -31,6 +31,7 @@ __all__ = [
     "reference_lm_head",
     "reference_embedding",
     "tokens_by_slot",
+    "reference_saved_linear",
 ]
 
 
@@ -162,3 +163,23 @@ def reference_embedding(
     shrink = reference_lora_a_embedding(ids, a, batch_info, vocab_size, added)
     offsets = slice_offsets_from_widths([b.shape[1]])
     return embed_scale * (base + reference_lora_b(shrink, b, batch_info, offsets))
+
+
+def reference_saved_linear(x: torch.Tensor, batch_info: BatchInfo, held: torch.Tensor, weight: torch.Tensor,
+                           bias: torch.Tensor | None, base_out: torch.Tensor) -> torch.Tensor:
+    """A module adapters train whole (PEFT's ``modules_to_save``), one copy per slot::
+
+        out[t] = weight[s] @ x[t] + bias[s]   if s = token_slots[t] >= 0 and held[s]
+        out[t] = base_out[t]                  otherwise (no adapter, or its adapter saved no copy)
+
+    ``x (T, in)``, ``weight (L, out, in)``, ``bias (L, out)`` or ``None``, ``held (L,)`` bool,
+    ``base_out (T, out)`` (the base module's output). The slot's rank plays no part.
+    """
+    out = base_out.detach().float().cpu().clone()
+    held_host = held.cpu().tolist()
+    for t, s in enumerate(batch_info.token_slots_cpu[: x.shape[0]].tolist()):
+        if s >= 0 and held_host[s]:
+            out[t] = weight[s].float().cpu() @ x[t].float().cpu()
+            if bias is not None:
+                out[t] += bias[s].float().cpu()
+    return out

@@ -116,6 +116,11 @@ class MultiLoRA:
             slot's (``LoRAContext``), so DoRA adapters (PEFT's ``use_dora``) can be loaded;
             without it loading one raises. :meth:`from_adapters` sets it when one of its
             adapters uses DoRA.
+        modules_to_save: names (full, or last component) of ``nn.Linear`` / ``nn.Embedding``
+            modules that adapters train whole (PEFT's ``modules_to_save``: ``lm_head``,
+            ``embed_tokens``, a classifier ``score``): each gets a copy per slot
+            (:class:`~lora_layers.layers.SavedModule`), and a row runs through its
+            adapter's copy, or the base module when the adapter saved none.
     """
 
     def __init__(
@@ -134,21 +139,25 @@ class MultiLoRA:
         strict_token_ids: bool = False,
         eviction: str | None = None,
         dora: bool = False,
+        modules_to_save: Sequence[str] = (),
     ) -> None:
         check_eviction(eviction)
         if isinstance(target_modules, str):
             raise TypeError(f"target_modules must be a list of names, got the string {target_modules!r}")
+        if isinstance(modules_to_save, str):
+            raise TypeError(f"modules_to_save must be a list of names, got the string {modules_to_save!r}")
         device, lora_dtype = _placement(model, device, lora_dtype)
         self.model = model
         self._slot_table = SlotTable(max_loras, max_rank, eviction=eviction, on_change=self._sync_adapters)
         self.context = _build_context(backend, max_loras=max_loras, max_rank=max_rank, device=device,
                                       lora_dtype=lora_dtype, strict_token_ids=strict_token_ids, dora=dora)
         self._targets = TargetModules(model, self.context, packed_modules=packed_modules,
-                                      slice_widths=slice_widths, lm_head_modules=lm_head_modules)
+                                      slice_widths=slice_widths, lm_head_modules=lm_head_modules,
+                                      modules_to_save=modules_to_save)
         self._batches = BatchCache(self.context.device)
         self._graph = GraphMode(self.context.backend)
         self._auto_wrap = False
-        self._targets.wrap(list(target_modules))
+        self._targets.wrap(list(target_modules) + [m for m in modules_to_save if m not in target_modules])
         self._router = Router(model, self._slot_table.slot_of, self.set_batch)
 
     @classmethod
@@ -169,7 +178,8 @@ class MultiLoRA:
         ``exclude_modules`` and ``layers_to_transform`` / ``layers_pattern`` are
         matched against ``model``'s module names by PEFT's rules
         (:mod:`lora_core.adapter_config`); the union is wrapped and every adapter is
-        loaded, in order, into slots ``0, 1, ...``.
+        loaded, in order, into slots ``0, 1, ...``. The modules an adapter trained
+        whole (``modules_to_save``) are wrapped as saved modules, a copy per slot.
 
         Args:
             adapters: adapter name -> PEFT adapter directory.
@@ -179,7 +189,8 @@ class MultiLoRA:
             lm_head_modules: default: the model's output embedding
                 (``get_output_embeddings()``), else ``lm_head``.
             options: the other keyword arguments of :class:`MultiLoRA` (``packed_modules``,
-                ``device``, ``lora_dtype``, ``eviction``, ...).
+                ``device``, ``lora_dtype``, ``eviction``, ``modules_to_save`` for modules
+                that adapters loaded later save, ...).
 
         Adapters loaded later with :meth:`load_adapter` wrap the further modules
         they target, too (eager mode; their other slots hold zeros).
@@ -196,9 +207,10 @@ class MultiLoRA:
         if lm_head_modules is None:
             head = output_embedding_name(model)
             lm_head_modules = (head,) if head else ("lm_head",)
+        saved = sorted({m for a in loaded.values() for m in a.saved_modules} | set(options.pop("modules_to_save", ())))
         mlora = cls(model, [], max_loras=max_loras or len(loaded),
                     max_rank=max_rank or max(a.rank for a in loaded.values()),
-                    backend=backend, lm_head_modules=lm_head_modules, **options)
+                    backend=backend, lm_head_modules=lm_head_modules, modules_to_save=saved, **options)
         mlora._auto_wrap = True
         try:
             for name, adapter in loaded.items():

@@ -5,8 +5,11 @@ PEFT's ``tuners/lora/model.py`` job, without the layers: match target names
 :func:`lora_core.adapter_config.matched_modules`), swap each matched module for
 the wrapper :func:`lora_layers.layers.wrap_module` picks, put the originals back,
 and map each PEFT module name of an adapter onto a wrapped module and slice
-(packed projections hold several PEFT modules). It never looks inside a wrapper:
-the layer kinds load their own weights (:meth:`LayerKind.load_slot`).
+(packed projections hold several PEFT modules). Modules that adapters train whole
+(PEFT's ``modules_to_save``) are wrapped with ``WrapTarget(saved=True)`` and take
+each adapter's copy; a module is either that or LoRA-targeted, never both. It never
+looks inside a wrapper: the layer kinds load their own weights
+(:meth:`LayerKind.load_slot`).
 """
 
 from __future__ import annotations
@@ -18,14 +21,14 @@ from torch import nn
 
 from lora_core import AdapterFormatError, PeftAdapter
 from lora_core.adapter_config import matched_modules
-from lora_core.adapters import LoRAModuleWeights
+from lora_core.adapters import LoRAModuleWeights, SavedModuleWeights
 
 from .layers import WHOLE_MODULE, LayerKind, LoRAContext, WrapTarget, is_conv1d, parameter_layer_kind, wrap_module
 from .packing import infer_slice_widths
 
 __all__ = ["TargetModules", "output_embedding_name", "name_parameter_targets"]
 
-LoadPlan = dict[str, dict[int, LoRAModuleWeights]]
+LoadPlan = dict[str, dict[int, LoRAModuleWeights | SavedModuleWeights]]
 """Wrapped module name -> its :data:`~lora_layers.layers.ModuleParts` of one adapter."""
 
 
@@ -72,17 +75,20 @@ class TargetModules:
         packed_modules: fused projection name -> the PEFT module names it holds, in slice order.
         slice_widths: explicit slice widths of packed modules (else inferred).
         lm_head_modules: names (full, or last component) wrapped as LM heads.
+        modules_to_save: names (full, or last component) of the modules wrapped as
+            saved modules (a copy per slot, PEFT's ``modules_to_save``).
     """
 
     def __init__(self, model: nn.Module, context: LoRAContext, *,
                  packed_modules: Mapping[str, Sequence[str]] | None = None,
                  slice_widths: Mapping[str, Sequence[int]] | None = None,
-                 lm_head_modules: Sequence[str] = ("lm_head",)) -> None:
+                 lm_head_modules: Sequence[str] = ("lm_head",), modules_to_save: Sequence[str] = ()) -> None:
         self.model = model
         self.context = context
         self.packed_modules = {k: list(v) for k, v in (packed_modules or {}).items()}
         self.slice_widths = dict(slice_widths or {})
         self.lm_heads = set(lm_head_modules)
+        self.modules_to_save = set(modules_to_save)
         self.wrapped: dict[str, LayerKind] = {}
         self.originals: dict[str, nn.Module] = {}
 
@@ -105,15 +111,21 @@ class TargetModules:
         """Replace submodule ``name`` (which is ``module``) by its wrapper; returns the wrapper."""
         last = name.rsplit(".", 1)[-1]
         lm_head = name in self.lm_heads or last in self.lm_heads
+        saved = self.is_saved(name)
         widths = None
-        if last in self.packed_modules and not lm_head:
+        if last in self.packed_modules and not lm_head and not saved:
             parts = self.packed_modules[last]
             widths = tuple(self.slice_widths.get(last) or infer_slice_widths(name, module, parts, self.model))
-        wrapper = wrap_module(module, self.context, WrapTarget(name, slice_widths=widths, lm_head=lm_head))
+        wrapper = wrap_module(module, self.context, WrapTarget(name, slice_widths=widths, lm_head=lm_head, saved=saved))
         setattr(self._parent(name), last, wrapper)
         self.originals[name] = module
         self.wrapped[name] = wrapper
         return wrapper
+
+    def is_saved(self, name: str) -> bool:
+        """Whether module ``name`` is (to be) wrapped as a saved module: its full name or last component
+        is one of ``modules_to_save``."""
+        return name in self.modules_to_save or name.rsplit(".", 1)[-1] in self.modules_to_save
 
     def _parent(self, name: str) -> nn.Module:
         return self.model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else self.model
@@ -169,11 +181,18 @@ class TargetModules:
             shown = ", ".join(without[:3]) + (", ..." if len(without) > 3 else "")
             warnings.warn(f"adapter {name!r}: its target_modules match {len(without)} module(s) it holds no LoRA "
                           f"weights for ({shown}); was it trained on this model?", stacklevel=4)
+        saved = sorted(set(adapter.saved_modules) - set(self.wrapped))
         wanted = {targets[t] for t in targets if t in adapter.modules} | _parameter_owners(adapter)
-        for module_name in sorted(wanted - set(self.wrapped)):
-            if fixed:
-                raise ValueError(f"adapter {name!r} targets {module_name!r}, which is not wrapped; in graph mode the "
-                                 "wrapped modules are fixed (wrap it before enable_graph)")
+        lora = sorted(wanted - set(self.wrapped))
+        for module_name in saved:
+            if module_name not in base:
+                raise ValueError(f"adapter {name!r} saves {module_name!r} (modules_to_save), which is not a module of "
+                                 f"{type(self.model).__name__}")
+        if fixed and (lora or saved):
+            raise ValueError(f"adapter {name!r} targets {(lora or saved)[0]!r}, which is not wrapped; in graph mode "
+                             "the wrapped modules are fixed (wrap it before enable_graph)")
+        self.modules_to_save.update(saved)
+        for module_name in lora + saved:
             self.wrap_one(module_name, base[module_name])
 
     def locate(self, adapter: str, module: str) -> tuple[str, int]:
@@ -198,5 +217,14 @@ class TargetModules:
         plan: LoadPlan = {}
         for module_name, weights in adapter.modules.items():
             target, index = self.locate(name, module_name)
+            if self.is_saved(target):
+                raise ValueError(f"adapter {name!r} has LoRA weights for {module_name!r}, which is served as a saved "
+                                 "module (modules_to_save): a module is either LoRA-targeted or saved whole, not both")
             plan.setdefault(target, {})[index] = weights
+        for module_name, saved in adapter.saved_modules.items():
+            if module_name not in self.wrapped or not self.is_saved(module_name):
+                how = "LoRA-targeted" if module_name in self.wrapped else "not wrapped"
+                raise ValueError(f"adapter {name!r} saves {module_name!r} whole (modules_to_save), which is {how}; "
+                                 "serve it as a saved module: MultiLoRA(..., modules_to_save=[...]) or from_adapters")
+            plan[module_name] = {WHOLE_MODULE: saved}
         return plan

@@ -20,6 +20,7 @@ Adapter weights are given unsharded; tensor-parallel wrappers take their shard.
 | LMHeadWithLoRA | vocab rows | full | vocab rows | lm_head | all-gather |
 | ExpertsWithLoRA (fused experts, per-expert A/B) | full | full | full | experts_lora x2 | none |
 | ParallelExpertsWithLoRA | gate/up rows, down columns of the intermediate dim | gate_up full, down columns | gate_up rows, down full | experts_lora x2 | all-reduce of the output |
+| SavedModule (modules_to_save: a copy per slot) | full | - | - | none | none |
 """
 
 from .column_parallel import (
@@ -36,6 +37,7 @@ from .linear import LinearWithLoRA, SliceWeights
 from .lm_head import LMHeadWithLoRA
 from .parallel_experts import ParallelExpertsWithLoRA
 from .row_parallel import RowParallelLinearWithLoRA
+from .saved_module import SavedModule
 from .slot_weights import WHOLE_MODULE, ModuleParts, folded_b
 
 __all__ = [
@@ -53,6 +55,7 @@ __all__ = [
     "ParallelExpertsWithLoRA",
     "QKVParallelLinearWithLoRA",
     "RowParallelLinearWithLoRA",
+    "SavedModule",
     "SliceWeights",
     "WHOLE_MODULE",
     "WrapTarget",

@@ -65,12 +65,14 @@ class WrapTarget:
 
     ``name`` is the module's full name; ``slice_widths`` are given for a packed
     projection (qkv, gate_up); ``lm_head`` marks a module that receives every
-    token or the last token of each request.
+    token or the last token of each request; ``saved`` a module that adapters
+    train whole (``modules_to_save``), served as a copy per slot.
     """
 
     name: str
     slice_widths: tuple[int, ...] | None = None
     lm_head: bool = False
+    saved: bool = False
 
 
 def flatten_tokens(x: torch.Tensor, features: int, layer: str) -> torch.Tensor:

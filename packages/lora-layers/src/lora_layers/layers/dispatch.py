@@ -21,6 +21,7 @@ from .embedding import EmbeddingWithLoRA
 from .experts import ExpertsWithLoRA
 from .linear import LinearWithLoRA
 from .lm_head import LMHeadWithLoRA
+from .saved_module import SavedModule
 from .slot_weights import ModuleParts
 
 __all__ = ["LAYER_TYPES", "LayerKind", "wrap_module", "parameter_layer_kind"]
@@ -57,7 +58,7 @@ class LayerKind(Protocol):
         ...
 
 
-LAYER_TYPES: list[type[nn.Module]] = [EmbeddingWithLoRA, LMHeadWithLoRA, Conv1DWithLoRA, LinearWithLoRA,
+LAYER_TYPES: list[type[nn.Module]] = [SavedModule, EmbeddingWithLoRA, LMHeadWithLoRA, Conv1DWithLoRA, LinearWithLoRA,
                                       ExpertsWithLoRA]
 """Layer kinds in dispatch order."""
 

@@ -16,15 +16,16 @@ from typing import Mapping
 
 import torch
 
-from lora_core.adapters import LoRAModuleWeights
+from lora_core.adapters import LoRAModuleWeights, SavedModuleWeights
 
 __all__ = ["WHOLE_MODULE", "ModuleParts", "folded_b", "check_dora_parts"]
 
 WHOLE_MODULE = -1
 """The key of :data:`ModuleParts` for weights that cover the whole module (every slice)."""
 
-ModuleParts = Mapping[int, LoRAModuleWeights]
-"""Slice index (or :data:`WHOLE_MODULE`) -> that part's LoRA pair, unsharded."""
+ModuleParts = Mapping[int, LoRAModuleWeights | SavedModuleWeights]
+"""Slice index (or :data:`WHOLE_MODULE`) -> that part's LoRA pair, unsharded; a saved
+module (``modules_to_save``) gets ``{WHOLE_MODULE: SavedModuleWeights}``."""
 
 
 def folded_b(weights: LoRAModuleWeights, slot_scaling: float) -> torch.Tensor:

@@ -208,11 +208,20 @@ class MemoryEstimate:
     lora_buffer_params: int
     adapter_params: int
     activation_params: int
+    slots: int = 1
+    saved_params_per_slot: int = 0
 
     @property
     def bytes(self) -> int:
         return 4 * (self.model_params * self.model_copies + self.lora_buffer_params + self.adapter_params
-                    + self.activation_params)
+                    + self.activation_params + self.slots * self.saved_params_per_slot)
+
+    def per_slot(self) -> str:
+        """What one adapter slot of the served model holds: its LoRA buffers and its copies of
+        the modules adapters train whole (``modules_to_save``), fp32."""
+        lora = 4 * self.lora_buffer_params / self.slots / 2**20
+        return (f"LoRA buffers {lora:,.2f} MiB + saved modules (modules_to_save) "
+                f"{4 * self.saved_params_per_slot / 2**20:,.2f} MiB")
 
     @property
     def gib(self) -> float:
@@ -235,9 +244,12 @@ def _projection_dims(config: Mapping[str, Any]) -> Iterable[tuple[int, int]]:
     return [(h, q + 2 * kv), (q, h), (h, 2 * i), (i, h)]
 
 
-def estimate_memory(config: Mapping[str, Any], adapter_ranks: Sequence[int], tokens: int) -> MemoryEstimate:
+def estimate_memory(config: Mapping[str, Any], adapter_ranks: Sequence[int], tokens: int,
+                    saved_params_per_slot: int = 0) -> MemoryEstimate:
     """The peak memory of a run of a model of ``config`` (a :class:`~lora_layers.TinyConfig`
-    as a dict) serving adapters of ``adapter_ranks`` on ``tokens`` prefill tokens.
+    as a dict) serving adapters of ``adapter_ranks`` on ``tokens`` prefill tokens, with
+    ``saved_params_per_slot`` parameters of copies of modules adapters train whole
+    (``modules_to_save``) in every slot.
 
     Alive at once: an fp32 reference model per adapter, the unmerged one and the model it
     is merged from, and a row's model with LoRA and its base copy (``len + 4`` copies);
@@ -257,5 +269,6 @@ def estimate_memory(config: Mapping[str, Any], adapter_ranks: Sequence[int], tok
     return MemoryEstimate(model_params=params, model_copies=len(adapter_ranks) + 4,
                           lora_buffer_params=slots * rank * module_width,
                           adapter_params=sum(adapter_ranks) * module_width,
-                          activation_params=8 * tokens * width)
+                          activation_params=8 * tokens * width, slots=slots,
+                          saved_params_per_slot=saved_params_per_slot)
 

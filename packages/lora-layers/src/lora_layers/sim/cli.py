@@ -41,7 +41,7 @@ from .errors import UsageError
 from .help_text import DESCRIPTION, EPILOG
 from .report import format_devices, format_header, format_rows, to_json, write_plot
 from .run import COMPILE_BACKENDS, ROUNDS, check_compile_backend, run_simulation
-from .serving import build_multilora
+from .serving import build_multilora, saved_modules
 from lora_core.testing.timing import machine_info
 from .workload import DEFAULT_CONFIG, Workload, default_workload
 
@@ -271,7 +271,8 @@ def check_run(args: argparse.Namespace) -> RunPlan:
     config, note = read_model_config(args.model_config)
     given = _load_adapters(args.adapter) if args.adapter else None
     ranks = [rank for _, rank in given.values()] if given else [spec[0] for spec in SYNTHETIC_ADAPTERS.values()]
-    memory = estimate_memory(config.to_dict(), ranks, sum(Workload.prompt_lens))
+    saved = sum(saved_modules({n: p for n, (p, _) in given.items()}).values()) if given else 0
+    memory = estimate_memory(config.to_dict(), ranks, sum(Workload.prompt_lens), saved)
     limit = MAX_MEMORY_GIB if args.max_memory_gib is None else args.max_memory_gib
     if memory.gib > limit:
         raise UsageError(f"this run needs about {memory.size()} of memory ({memory.describe()}), above "
@@ -311,7 +312,7 @@ def _run(plan: RunPlan) -> int:
     if plan.json_path == "-":
         print(json.dumps(document, indent=2))
     else:
-        print(format_header(config, list(adapters), workload, plan.rounds, machine))
+        print(format_header(config, list(adapters), workload, plan.rounds, machine, plan.memory))
         print(format_rows(rows))
         if plan.json_path is not None:
             plan.json_path.write_text(json.dumps(document, indent=2))

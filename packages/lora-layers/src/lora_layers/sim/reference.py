@@ -24,13 +24,18 @@ def merged_reference_models(base: TinyDecoder, adapter_paths: Mapping[str, Path]
     (``W += scaling * B @ A``; an embedding's delta transposed; a PEFT module that
     lives in a fused module lands in its slice, of the widths
     :func:`lora_layers.packing.infer_slice_widths` gives; a targeted experts parameter
-    gets each expert's ``scaling * B_e @ A_e``), and the unmerged copy under the key ``None``."""
+    gets each expert's ``scaling * B_e @ A_e``; a module the adapter trained whole,
+    ``modules_to_save``, is replaced by its copy), and the unmerged copy under the key ``None``."""
     models: dict[str | None, TinyDecoder] = {None: copy.deepcopy(base).float()}
     for name, path in adapter_paths.items():
         merged = copy.deepcopy(base).float()
         params = dict(merged.named_parameters())
         modules = dict(merged.named_modules())
         adapter = name_parameter_targets(name, load_peft_adapter(path), modules)
+        for module, saved in adapter.saved_modules.items():
+            params[f"{module}.weight"].data.copy_(saved.weight)
+            if saved.bias is not None:
+                params[f"{module}.bias"].data.copy_(saved.bias)
         for module, w in adapter.modules.items():
             delta = w.scaling * (w.lora_b.float() @ w.lora_a.float())  # per expert for a targeted parameter
             if w.kind == "embedding":

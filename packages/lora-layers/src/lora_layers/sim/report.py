@@ -8,6 +8,7 @@ from typing import Any, Callable, Mapping, Sequence
 from lora_core.testing import DEVICE_NAMES, probe_device
 
 from ..models import TinyConfig
+from .checks import MemoryEstimate
 from .errors import UsageError
 from .run import SimRow
 from lora_core.testing.timing import Spread
@@ -61,9 +62,11 @@ def format_rows(rows: Sequence[SimRow]) -> str:
 
 
 def format_header(config: TinyConfig, adapters: Sequence[str], workload: Workload, rounds: int,
-                  machine: Mapping[str, Any]) -> str:
-    """The lines printed above the table: what was served, how it was timed, and on what machine."""
+                  machine: Mapping[str, Any], memory: MemoryEstimate | None = None) -> str:
+    """The lines printed above the table: what was served, how it was timed, on what machine,
+    and (given ``memory``) what one adapter slot holds."""
     gpu = f", {machine['cuda_device']}" if "cuda_device" in machine else ""
+    per_slot = [] if memory is None else [f"memory per adapter slot: {memory.per_slot()}"]
     return "\n".join([
         f"lora-sim: model {config.to_dict()}, adapters {list(adapters)}, "
         f"{len(workload.prompt_lens)} prompts of {list(workload.prompt_lens)} tokens, "
@@ -71,7 +74,7 @@ def format_header(config: TinyConfig, adapters: Sequence[str], workload: Workloa
         f"machine: {machine['cpu']} ({machine['cpu_count']} cores){gpu}, torch {machine['torch']}, "
         f"{machine['threads']} threads, Python {machine['python']}",
         f"timings: median (min–max) over {rounds} rounds, the LoRA and the base model interleaved in each",
-    ])
+    ] + per_slot)
 
 
 def to_json(config: TinyConfig, workload: Workload, rows: Sequence[SimRow], rounds: int,

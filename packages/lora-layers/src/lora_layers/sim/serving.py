@@ -16,7 +16,7 @@ from ..packing import LLAMA_PACKED_MODULES
 from ..targeting import name_parameter_targets
 
 __all__ = ["ATTENTION", "MAX_RANK", "MLP", "PROJECTIONS", "WHOLE_MODEL", "build_multilora", "module_path",
-           "packed_modules", "packed_module_of", "target_modules"]
+           "packed_modules", "packed_module_of", "saved_modules", "target_modules"]
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
@@ -56,9 +56,22 @@ def packed_modules(config: TinyConfig) -> dict[str, list[str]] | None:
     return {k: list(v) for k, v in LLAMA_PACKED_MODULES.items()} if config.fused else None
 
 
+def saved_modules(adapter_paths: Mapping[str, Path]) -> dict[str, int]:
+    """The modules the adapters train whole (PEFT's ``modules_to_save``) -> the parameters
+    of one copy (weight and bias): what each adapter slot holds of that module."""
+    saved: dict[str, int] = {}
+    for path in adapter_paths.values():
+        for name, w in load_peft_adapter(path).saved_modules.items():
+            saved[name] = max(saved.get(name, 0), w.weight.numel() + (0 if w.bias is None else w.bias.numel()))
+    return saved
+
+
 def build_multilora(model: nn.Module, config: TinyConfig, adapter_paths: Mapping[str, Path],
                     backend: str | None = None) -> MultiLoRA:
     """Wrap :func:`target_modules` of ``model`` (in place) and load every adapter.
+
+    A module an adapter trains whole (``modules_to_save``, e.g. ``lm_head``) is
+    wrapped as a saved module (a copy per slot) instead of for LoRA.
 
     The buffers' rank is the largest of the adapters (:data:`MAX_RANK` without
     adapters). ``backend`` is a registered backend name
@@ -70,8 +83,10 @@ def build_multilora(model: nn.Module, config: TinyConfig, adapter_paths: Mapping
     modules = dict(model.named_modules())
     max_rank = max((name_parameter_targets(name, load_peft_adapter(p), modules).rank
                     for name, p in adapter_paths.items()), default=MAX_RANK)
-    mlora = MultiLoRA(model, target_modules(config), max_loras=max(1, len(adapter_paths)), max_rank=max_rank,
-                      packed_modules=packed_modules(config), **kwargs)
+    saved = sorted(saved_modules(adapter_paths))
+    targets = [t for t in target_modules(config) if not any(s == t or s.endswith(f".{t}") for s in saved)]
+    mlora = MultiLoRA(model, targets, max_loras=max(1, len(adapter_paths)), max_rank=max_rank,
+                      packed_modules=packed_modules(config), modules_to_save=saved, **kwargs)
     for name, path in adapter_paths.items():
         mlora.load_adapter(name, path)
     return mlora
