@@ -7,9 +7,11 @@ skipped without CUDA. lora-sim serves a compiled decode step on it and
 reports one compile and zero recompiles.
 """
 
+import importlib.util
 import json
 import re
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -106,3 +108,15 @@ def test_lora_sim_refuses_inductor_where_it_cannot_compile(monkeypatch, capsys):
 def test_rows_of_other_devices_leave_the_compiled_decode_cell_empty():
     row = sim.SimRow("torch_native", "cpu", "pass")
     assert row.compiled_decode is None and sim.report.format_compiled_decode(row) == ""
+
+
+def test_the_compiled_decode_benchmark_checks_then_times_both_steps(capsys, tmp_path):
+    path = Path(__file__).resolve().parents[1] / "examples" / "bench_compile.py"
+    spec = importlib.util.spec_from_file_location("example_bench_compile", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--smoke", "--backend", "aot_eager", "--json", str(tmp_path / "r.json")]) == 0
+    out = capsys.readouterr().out
+    assert "compile backend: aot_eager (asked for)" in out and re.search(r"compiled / eager: \d+\.\d\dx \(", out), out
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert len(result["seconds"]["eager"]) == len(result["seconds"]["compiled"]) == 3 and result["compile_s"] > 0
