@@ -282,27 +282,38 @@ def test_every_tox_env_writes_the_junit_report_that_ci_tox_sh_counts():
     assert all("--junitxml={env_tmp_dir}/junit.xml" in c for c in commands.values())
 
 
-def test_docs_script_rewrites_the_readme_table_from_a_sim_run(monkeypatch, tmp_path):
+def test_docs_script_rewrites_the_readme_tables_from_sim_runs(monkeypatch, tmp_path):
     docs = _docs_script()
     readme = tmp_path / "README.md"
     original = (ROOT / "README.md").read_text()
     readme.write_text(original)
-    printed = "\n".join([
-        "lora-sim: model {...}", "machine: Test CPU (2 cores), torch 2.13.0+cpu, 2 threads, Python 3.11.7",
-        "timings: median (min–max) over 5 rounds, the LoRA and the base model interleaved in each",
-        "| backend | device | result | max abs err |", "|---|---|---|---|",
-        "| ascend | cpu | pass | 1e-06 |", "| ascend | cuda | skipped: no CUDA | |", ""])
+
+    def printed(row):
+        return "\n".join([
+            "lora-sim: model {...}", "machine: Test CPU (2 cores), torch 2.13.0+cpu, 2 threads, Python 3.11.7",
+            "timings: median (min–max) over 5 rounds, the LoRA and the base model interleaved in each",
+            "| backend | device | result | max abs err |", "|---|---|---|---|",
+            row, "| ascend | cuda | skipped: no CUDA | |", ""])
+
+    commands = []
+
+    def run(command, cwd):
+        commands.append(command)
+        return subprocess.CompletedProcess(command, 0, printed(f"| ascend | cpu | pass | {len(commands)}e-06 |"), "")
+
     monkeypatch.setattr(docs, "README", readme)
     monkeypatch.setattr(docs.os, "getloadavg", lambda: (0.25, 0.5, 0.5))
     monkeypatch.setattr(docs, "stamp", lambda: "abc1234, 2026-12-05")
-    monkeypatch.setattr(docs, "_run", lambda command, cwd: subprocess.CompletedProcess(command, 0, printed, ""))
+    monkeypatch.setattr(docs, "_run", run)
     assert docs.main(["sim"]) == 0
+    assert commands == ["bash ci/sim.sh --quiet",
+                        """bash ci/sim.sh --quiet --model-config '{"num_experts": 8, "num_experts_per_tok": 2}'"""]
     text = readme.read_text()
-    assert ("regenerated them at abc1234, 2026-12-05 (Test CPU (2 cores), torch 2.13.0+cpu, 2 threads, "
-            "Python 3.11.7; load average 0.25 before the run;") in text
-    table = text[text.index("| backend | device | result |"):]
-    assert table.split("\n\n")[0] == "| backend | device | result | max abs err |\n|---|---|---|---|\n" \
-                                      "| ascend | cpu | pass | 1e-06 |"
+    assert text.count("regenerated them at abc1234, 2026-12-05 (Test CPU (2 cores), torch 2.13.0+cpu, 2 threads, "
+                      "Python 3.11.7; load average 0.25 before the run;") == 2
+    tables = [part.split("\n\n")[0] for part in text.split("| backend | device | result |")[1:]]
+    assert tables == [f" max abs err |\n|---|---|---|---|\n| ascend | cpu | pass | {n}e-06 |" for n in (1, 2)]
+    assert "The same on a mixture-of-experts model (`lora-sim --model-config" in text
     before = original[: original.index("The rows that ran on this project's CPU runner")]
     after = original[original.index("(The model is tiny"):]
     assert text.startswith(before) and text.endswith(after)

@@ -1,19 +1,31 @@
-"""Tensor parallelism over torch.distributed: TP=2 (gloo on CPU) equals the unsharded layer."""
+"""Tensor parallelism over torch.distributed: TP=2 (gloo on CPU) equals the unsharded layer,
+for every wrapper (tp_worker.py) and for the fused experts (tp_moe_worker.py, docs/moe.md)."""
 
 import os
 import subprocess
 import sys
 from pathlib import Path
 
-WORKER = Path(__file__).with_name("tp_worker.py")
+HERE = Path(__file__).parent
 
 
-def test_tp2_matches_the_unsharded_layer_for_every_wrapper(tmp_path):
+def _run_tp2(worker: str, tmp_path: Path) -> list[str]:
+    """Run ``worker`` as ranks 0 and 1 of a gloo group; each rank's output, after checking it exited 0."""
     init = f"file://{tmp_path / 'rendezvous'}"
     env = {**os.environ, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0", "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, str(WORKER), str(rank), "2", init], env=env,
+    procs = [subprocess.Popen([sys.executable, str(HERE / worker), str(rank), "2", init], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in range(2)]
     outputs = [p.communicate(timeout=240)[0] for p in procs]
     for rank, (p, out) in enumerate(zip(procs, outputs)):
         assert p.returncode == 0, f"rank {rank} failed:\n{out}"
+    return outputs
+
+
+def test_tp2_matches_the_unsharded_layer_for_every_wrapper(tmp_path):
+    for rank, out in enumerate(_run_tp2("tp_worker.py", tmp_path)):
         assert f"rank {rank}: 9 wrappers match" in out, out
+
+
+def test_tp2_experts_match_the_unsharded_experts(tmp_path):
+    for rank, out in enumerate(_run_tp2("tp_moe_worker.py", tmp_path)):
+        assert f"rank {rank}: experts match on torch_native and ascend" in out, out

@@ -1,4 +1,4 @@
-"""One rank of the tensor-parallel experts check (run by test_moe_tensor_parallel.py, 2 gloo processes).
+"""One rank of the tensor-parallel experts check (run by test_tensor_parallel.py, 2 gloo processes).
 
 ParallelExpertsWithLoRA over the group, each rank holding its shard of the intermediate
 dimension, must give the output of the unsharded ExpertsWithLoRA for a batch with adapters
