@@ -395,3 +395,25 @@ def test_a_saved_linear_with_bias_against_the_reference(device, backend):
         info = build_batch_info(*batch, ranks, scalings, device="cpu")
         want = reference_saved_linear(x, info, layer.held, layer.weight, layer.bias, base_out)
         torch.testing.assert_close(out.cpu(), want, rtol=RTOL, atol=ATOL)
+
+
+def test_compiled_eager_batches_of_other_slots_reuse_the_compiled_code(tiny):
+    """Regression: with an eager batch, a saved linear module chose its copies from the batch's slots on
+    the host, which the compiled code then guarded on: a batch of other slots recompiled."""
+    base, peft_model, paths = tiny
+    model = copy.deepcopy(base)
+    mlora = MultiLoRA(model, ["q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "down_proj"], max_loras=3, max_rank=8,
+                      modules_to_save=["lm_head", "embed_tokens"])
+    for name in ("plain", "saver", "header"):
+        mlora.load_adapter(name, paths[name])
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    ids = torch.randint(0, CONFIG.vocab_size, (12,), generator=torch.Generator().manual_seed(5))
+    torch._dynamo.reset()
+    with torch.no_grad():
+        for i, (seq_lens, adapters) in enumerate([([6, 6], ["plain", None]), ([4, 8], ["header", "saver"]),
+                                                  ([12], ["saver"])]):
+            mlora.set_batch(seq_lens, adapters)
+            with torch._dynamo.config.patch(error_on_recompile=i > 0):
+                got = compiled(ids).clone()
+            want = _tiny_peft_logits(peft_model, ids, seq_lens, adapters)
+            torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)

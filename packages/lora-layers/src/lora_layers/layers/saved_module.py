@@ -122,9 +122,10 @@ class SavedModule(nn.Module):
 
     def _slots_to_run(self) -> list[int]:
         """The slots whose copies a linear layer runs: every slot in graph mode (a captured
-        graph serves any batch), else those of this batch that hold a copy (host values)."""
+        graph serves any batch) and under ``torch.compile`` (reading the batch's slots would
+        guard the compiled code on them), else those of this batch that hold a copy (host values)."""
         info = self.context.backend.batch_info
-        if info.use_graph:
+        if info.use_graph or torch.compiler.is_compiling():
             return list(range(self.weight.shape[0]))
         return sorted(self._held_slots.intersection(info.request_slots))
 
