@@ -5,7 +5,7 @@ module wrapped) serves four PEFT adapters of ranks 8, 16, 24 and 32 on every
 linear module, in a graph-mode batch of 32 decode rows (one token each), every
 fifth row on the base model. The same wrapped model runs eagerly and under
 ``torch.compile(fullgraph=True)`` (inductor where it can generate code, else
-``aot_eager``: ``lora_core.testing.fastest_compile_backend``; ``--backend`` picks).
+``aot_eager``: lora-sim's ``compile_backend_for``; ``--backend`` picks).
 The compiled step's logits are checked against the eager step's first. Each round
 calls both variants (``--repeats`` steps each), the order rotating
 (``lora_core.testing.timing``); the figure is compiled / eager per round, as the
@@ -27,10 +27,11 @@ from pathlib import Path
 import torch
 
 from lora_core import save_peft_adapter
-from lora_core.testing import TOLERANCES, fastest_compile_backend
+from lora_core.testing import TOLERANCES
 from lora_core.testing.timing import (Interleaved, Spread, apply_threads, benchmark_parser, format_spread, machine_info,
                                      sync_device)
 from lora_layers import MultiLoRA, TinyConfig, TinyDecoder
+from lora_layers.sim.run import COMPILE_BACKENDS, compile_backend_for
 
 SIZES = {
     "default": dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=4),
@@ -59,7 +60,7 @@ def build(sizes: dict, rows: int, device: str, tmp: Path) -> tuple[TinyDecoder, 
 def main(argv: list[str] | None = None) -> int:
     parser = benchmark_parser("bench_compile", "a compiled LoRA decode step against the eager one")
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
-    parser.add_argument("--backend", choices=["auto", "inductor", "aot_eager"], default="auto",
+    parser.add_argument("--backend", choices=COMPILE_BACKENDS, default="auto",
                         help="torch.compile backend (default auto: inductor where it can generate code)")
     parser.add_argument("--repeats", type=int, default=None, help="steps per variant per round (default 20)")
     args = parser.parse_args(argv)
@@ -67,9 +68,10 @@ def main(argv: list[str] | None = None) -> int:
     size = "smoke" if args.smoke else "default"
     rounds = 3 if args.smoke else args.rounds
     repeats = args.repeats or (2 if args.smoke else 20)
-    backend, why = fastest_compile_backend(torch.device(args.device).type)
-    if args.backend != "auto":
-        backend, why = args.backend, "asked for"
+    try:
+        backend, why = compile_backend_for(args.backend, torch.device(args.device).type)
+    except ValueError as err:
+        parser.error(str(err))
     load_before = os.getloadavg()[0]
     sync = sync_device(torch.device(args.device).type)
     with tempfile.TemporaryDirectory(prefix="bench-compile-") as tmp, torch.inference_mode():
