@@ -87,6 +87,19 @@ def test_the_base_projections_three_ways_agree():
         torch.testing.assert_close(expert_projection(x, ids, weight, graph_safe=True), want)  # per-pair gather
 
 
+def test_the_eager_expert_loop_reads_the_router_choices_back_once():
+    # docs/moe.md: one read back of the choices, whatever the experts picked (a read per picked
+    # expert is a device sync each on a GPU)
+    import functools
+
+    from lora_core.testing import count_launches
+
+    gen = torch.Generator().manual_seed(0)
+    x, weight = torch.randn(9, 2, 8, generator=gen), torch.randn(5, 7, 8, generator=gen)  # 7: the eager loop
+    for ids in (torch.randint(0, 6, (9, 2), generator=gen), torch.full((9, 2), 3), torch.full((9, 2), 5)):
+        assert count_launches(functools.partial(expert_projection, graph_safe=False), x, ids, weight).host_reads == 1
+
+
 def test_a_module_in_another_layout_is_not_wrapped():
     gen = torch.Generator().manual_seed(0)
     transposed = Experts(gen, 2, 8, 4, torch.float32)

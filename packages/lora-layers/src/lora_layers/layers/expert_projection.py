@@ -16,6 +16,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from lora_core.platforms import platform_for
@@ -54,7 +56,14 @@ def expert_projection(x: torch.Tensor, expert_ids: torch.Tensor, weight: torch.T
                          for s in range(0, P, chunk)])
     else:
         out = xs.new_zeros(P, out_features)
-        for expert in torch.unique(safe[valid]).tolist():  # the experts the router picked
-            rows = torch.nonzero(safe == expert)[:, 0]
-            out.index_copy_(0, rows, xs.index_select(0, rows) @ weight[expert].T)
+        key = torch.where(valid, safe, E)  # the pairs outside [0, E) last, in no expert's rows
+        order = torch.argsort(key, stable=True)
+        # (bincount would read the largest key back first, to size its output)
+        counts = torch.zeros(E + 1, dtype=torch.int64, device=x.device).index_add_(
+            0, key, torch.ones_like(key))[:E].tolist()  # the one read back
+        ends = itertools.accumulate(counts)
+        for expert, (n, end) in enumerate(zip(counts, ends)):  # the experts the router picked
+            if n:
+                rows = order[end - n : end]
+                out.index_copy_(0, rows, xs.index_select(0, rows) @ weight[expert].T)
     return torch.where(valid[:, None], out, 0).view(T, K, out_features)
