@@ -1,13 +1,14 @@
 """lora-kit against PEFT on one transformers model: the LoRA overhead over the base model.
 
-A random Llama-shaped ``LlamaForCausalLM`` (no download) with three PEFT adapters
-(attention r=16; MLP r=16; rsLoRA r=8 on every linear layer) serves one batch of
-eight prompts, two of them on the base model and two left-padded, in two phases:
+A random Llama-shaped ``LlamaForCausalLM`` (hidden 1024, 4 layers; no download)
+with four PEFT adapters of ranks 8 to 32 on every linear module (one of them
+rsLoRA) serves batches in which a quarter of the rows are on the base model and
+some prompts are left-padded, in two phases:
 
-* prefill: one forward of the padded ``(B, S)`` prompts, the LM head on each
+* prefill: one forward of 8 padded prompts of 128 tokens, the LM head on each
   row's last token (what ``generate()`` runs first);
-* decode: one KV-cache step of one token per row (the cache is cropped back
-  after each step, so every step is the same).
+* decode: one KV-cache step of one token on each of 64 rows, after a prefill of
+  their prompts (the cache is cropped back after each step, so every step is the same).
 
 Variants: the base model without LoRA; PEFT (``model(..., adapter_names=[...])``,
 its mixed-batch inference); lora-kit eager on each installed backend
@@ -42,25 +43,27 @@ from typing import Callable
 import torch
 
 from lora_core import available_backends
-from lora_core.testing import TOLERANCES
 from lora_core.testing.timing import (Interleaved, Spread, apply_threads, benchmark_parser, format_spread, machine_info,
                                      sync_device)
 
 SIZES = {
-    "default": dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=4, num_attention_heads=8,
-                    num_key_value_heads=4, vocab_size=8192),
+    "default": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=4, num_attention_heads=16,
+                    num_key_value_heads=8, vocab_size=8192),
     "smoke": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, vocab_size=128),
 }
 PROMPT_LEN = {"default": 128, "smoke": 8}
 ADAPTERS = {
-    "sql": dict(r=16, lora_alpha=32, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
-    "chat": dict(r=16, lora_alpha=16, target_modules=["gate_proj", "up_proj", "down_proj"]),
-    "math": dict(r=8, lora_alpha=16, use_rslora=True, target_modules="all-linear"),
+    "r8": dict(r=8, lora_alpha=16, use_rslora=True, target_modules="all-linear"),
+    "r16": dict(r=16, lora_alpha=32, target_modules="all-linear"),
+    "r24": dict(r=24, lora_alpha=24, target_modules="all-linear"),
+    "r32": dict(r=32, lora_alpha=64, target_modules="all-linear"),
 }
-ROUTE = ["sql", None, "chat", "math", "sql", None, "chat", "math"]
-TARGETS = {"prefill": 1 / 2, "decode": 1 / 3}
-"""lora-kit's LoRA overhead is to be at most this fraction of PEFT's."""
+PREFILL_ROUTE = ["r8", None, "r16", "r24", "r32", None, "r16", "r8"]
+ROUTES = {"prefill": PREFILL_ROUTE, "decode": PREFILL_ROUTE * 8}
+"""Each phase's rows: an adapter name, or ``None`` for the base model."""
+TARGETS = {"torch_native": {"prefill": 1 / 2, "decode": 1 / 3}, "ascend": {"prefill": 1.0, "decode": 1.0}}
+"""Per backend and phase: its LoRA overhead is to be at most this fraction of PEFT's."""
 
 
 def build(sizes: dict, device: str, workdir: Path):
@@ -88,52 +91,56 @@ def build(sizes: dict, device: str, workdir: Path):
     return base.to(device), peft_model.to(device), ours
 
 
-def inputs(vocab: int, length: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+def inputs(vocab: int, rows: int, length: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rows`` prompts of ``length`` random ids and their attention mask; rows 2 and 5 of
+    every 8 are left-padded (by a quarter and a half of ``length``)."""
     g = torch.Generator().manual_seed(1)
-    ids = torch.randint(3, vocab, (len(ROUTE), length), generator=g)
+    ids = torch.randint(3, vocab, (rows, length), generator=g)
     mask = torch.ones_like(ids)
-    for row, pad in [(2, length // 4), (5, length // 2)]:  # left padding
-        mask[row, :pad] = 0
-        ids[row, :pad] = 0
+    for first, pad in [(2, length // 4), (5, length // 2)]:  # left padding
+        mask[first::8, :pad] = 0
+        ids[first::8, :pad] = 0
     return ids.to(device), mask.to(device)
 
 
-def prefill(model, ids, mask, route=None, mlora=None) -> Callable[[], torch.Tensor]:
-    kw = {} if route is None else {"adapter_names": route}
+def routed(model, route: list[str | None] | None, mlora=None) -> Callable[..., object]:
+    """``model``'s forward with each row on its ``route`` entry: the base model for
+    ``route=None``; PEFT's ``adapter_names`` (``None`` -> ``"__base__"``) without ``mlora``;
+    lora-kit's ``mlora.route`` with it."""
+    if route is None:
+        return model
+    if mlora is None:
+        names = [name or "__base__" for name in route]
+        return lambda **kw: model(adapter_names=names, **kw)
 
-    def call():
-        if mlora is None:
-            return model(input_ids=ids, attention_mask=mask, logits_to_keep=1, use_cache=False, **kw).logits
-        with mlora.route(ROUTE):
-            return model(input_ids=ids, attention_mask=mask, logits_to_keep=1, use_cache=False).logits
+    def forward(**kw):
+        with mlora.route(route):
+            return model(**kw)
 
-    return call
+    return forward
 
 
-def decode(model, ids, mask, route=None, mlora=None) -> Callable[[], torch.Tensor]:
-    """One decode step after a prefill of ``ids``; the cache is cropped back after each step."""
+def prefill(forward, ids, mask, config) -> Callable[[], torch.Tensor]:
+    """One forward of the prompts, the LM head on each row's last token."""
+    return lambda: forward(input_ids=ids, attention_mask=mask, logits_to_keep=1, use_cache=False).logits
+
+
+def decode(forward, ids, mask, config) -> Callable[[], torch.Tensor]:
+    """One decode step after a prefill of ``ids``; the cache (for a model of ``config``) is
+    cropped back after each step."""
     from transformers import DynamicCache
 
-    kw = {} if route is None else {"adapter_names": route}
     try:
-        cache = DynamicCache(config=model.config)
+        cache = DynamicCache(config=config)
     except TypeError:  # transformers before 4.56
         cache = DynamicCache()
     with torch.no_grad():
-        if mlora is None:
-            model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True, **kw)
-        else:
-            with mlora.route(ROUTE):
-                model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+        forward(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True)
     step_ids = ids[:, -1:].clone()
     step_mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
 
     def call():
-        if mlora is None:
-            out = model(input_ids=step_ids, attention_mask=step_mask, past_key_values=cache, use_cache=True, **kw)
-        else:
-            with mlora.route(ROUTE):
-                out = model(input_ids=step_ids, attention_mask=step_mask, past_key_values=cache, use_cache=True)
+        out = forward(input_ids=step_ids, attention_mask=step_mask, past_key_values=cache, use_cache=True)
         cache.crop(-1)
         return out.logits
 
@@ -160,17 +167,22 @@ def time_phase(calls: dict[str, Callable], rounds: int, repeats: int, sync,
     return {name: [s / repeats for s in samples] for name, samples in timer.samples.items()}
 
 
+MODEL_TOLERANCE = 1e-4
+"""rtol, and atol relative to max |logit|, of lora-kit's fp32 logits against PEFT's: ten times an
+op's fp32 tolerance (``lora_core.testing.TOLERANCES``), for four layers of hidden 1024 summed
+in other orders (the largest error seen is about 1.2e-5 x max |logit|)."""
+
+
 def check(calls: dict[str, Callable]) -> float:
-    """lora-kit's logits against PEFT's: the largest error relative to max |logit| (fp32 tolerance)."""
+    """lora-kit's logits against PEFT's (:data:`MODEL_TOLERANCE`): the largest error relative to max |logit|."""
     with torch.no_grad():
         want = calls["peft"]().float().cpu()
         worst = 0.0
         for name, fn in calls.items():
             if name.startswith("lora-kit"):
                 got = fn().float().cpu()
-                rtol, atol = TOLERANCES[torch.float32]
                 scale = max(1.0, want.abs().max().item())
-                torch.testing.assert_close(got, want, rtol=rtol, atol=atol * scale)
+                torch.testing.assert_close(got, want, rtol=MODEL_TOLERANCE, atol=MODEL_TOLERANCE * scale)
                 worst = max(worst, (got - want).abs().max().item() / scale)
     return worst
 
@@ -203,8 +215,10 @@ def wait_for_quiet(limit_s: float) -> float:
 
 
 def format_report(results: dict, machine: dict, meta: dict) -> str:
-    lines = [f"lora-kit vs PEFT: {meta['model']}, {len(ROUTE)} rows ({ROUTE.count(None)} on the base model), "
-             f"prompts of {meta['prompt_len']} tokens, adapters {meta['adapters']}",
+    batches = ", ".join(f"{phase} {len(route)} rows ({route.count(None)} on the base model)"
+                        for phase, route in ROUTES.items())
+    lines = [f"lora-kit vs PEFT: {meta['model']}; {batches}; prompts of {meta['prompt_len']} tokens; "
+             f"adapters {meta['adapters']}",
              f"machine: {machine['cpu']} ({machine['cpu_count']} cores){', ' + machine['cuda_device'] if 'cuda_device' in machine else ''}, "
              f"torch {machine['torch']}, {machine['threads']} threads; device {meta['device']}; "
              f"load average {meta['load_before']:.2f} before, {meta['load_after']:.2f} after",
@@ -220,13 +234,15 @@ def format_report(results: dict, machine: dict, meta: dict) -> str:
             ratio_text = "" if name in ("base", "peft") else ("n/a" if ratio is None else f"{ratio:.2f}")
             lines.append(f"| {phase} | {name} | {format_spread(row['ms'], '{:.2f}')} | {over} | {ratio_text} |")
     lines.append("")
-    for phase, target in TARGETS.items():
-        for name, row in results[phase].items():
-            if name.startswith("lora-kit"):
-                ratio = row["vs_peft"]
-                verdict = "n/a (PEFT's overhead is not positive)" if ratio is None else (
-                    f"{'met' if ratio <= target else 'not met'} ({ratio:.2f})")
-                lines.append(f"target ({phase}, {name}): LoRA overhead at most {target:.2f} of PEFT's: {verdict}")
+    for backend, targets in TARGETS.items():
+        for phase, target in targets.items():
+            row = results[phase].get(f"lora-kit {backend}")
+            if row is None:  # the backend is not installed
+                continue
+            ratio = row["vs_peft"]
+            verdict = "n/a (PEFT's overhead is not positive)" if ratio is None else (
+                f"{'met' if ratio <= target else 'not met'} ({ratio:.2f})")
+            lines.append(f"target ({phase}, lora-kit {backend}): LoRA overhead at most {target:.2f} of PEFT's: {verdict}")
     return "\n".join(lines)
 
 
@@ -251,13 +267,14 @@ def main(argv: list[str] | None = None) -> int:
     sync = sync_device(torch.device(args.device).type)
     with tempfile.TemporaryDirectory(prefix="bench-peft-") as tmp:
         base, peft_model, ours = build(SIZES[size], args.device, Path(tmp))
-        ids, mask = inputs(SIZES[size]["vocab_size"], PROMPT_LEN[size], args.device)
-        peft_route = [name or "__base__" for name in ROUTE]
         results, worst = {}, 0.0
         for phase, make in [("prefill", prefill), ("decode", decode)]:
-            calls = {"base": make(base, ids, mask), "peft": make(peft_model, ids, mask, route=peft_route)}
+            route = ROUTES[phase]
+            ids, mask = inputs(SIZES[size]["vocab_size"], len(route), PROMPT_LEN[size], args.device)
+            calls = {"base": make(routed(base, None), ids, mask, base.config),
+                     "peft": make(routed(peft_model, route), ids, mask, base.config)}
             for backend, (model, mlora) in ours.items():
-                calls[f"lora-kit {backend}"] = make(model, ids, mask, mlora=mlora)
+                calls[f"lora-kit {backend}"] = make(routed(model, route, mlora), ids, mask, base.config)
             worst = max(worst, check(calls))
             repeats = args.repeats or (1 if args.smoke else (2 if phase == "prefill" else 20))
             results[phase] = summarise(time_phase(calls, rounds, repeats, sync, clock))
