@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch
 
 from lora_core import BatchInfo, is_capturing
+from lora_core.grouped_gemm import grouped_gemm_fits
 from lora_core.platforms import platform_for
 
 __all__ = ["CHUNK_ELEMENTS", "control_experts_lora", "graph_experts_lora"]
@@ -57,11 +58,10 @@ def _pair_tables(expert_ids: torch.Tensor, batch_info: BatchInfo, num_experts: i
 
 def _grouped(kernel: str, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether the grouped-GEMM kernel runs for preference ``kernel`` (metadata only)."""
-    if kernel == "blocked" or not hasattr(torch, "_grouped_mm") or torch.compiler.is_compiling():
+    if kernel == "blocked" or torch.compiler.is_compiling():
         return False
     R, in_features, out_features = a.shape[2], a.shape[3], b.shape[2]
-    possible = (a.is_contiguous() and b.is_contiguous() and a.data_ptr() % 16 == 0 and b.data_ptr() % 16 == 0
-                and all(n * x.dtype.itemsize % 16 == 0 for n in (R, in_features, out_features)))
+    possible = grouped_gemm_fits((a, b), R, in_features, out_features)  # (x is in the weights' dtype)
     return possible and (kernel == "grouped" or platform_for(x.device).prefers_grouped_gemm)
 
 

@@ -40,6 +40,7 @@ from __future__ import annotations
 import torch
 
 from lora_core import BatchInfo
+from lora_core.grouped_gemm import grouped_gemm_fits
 from lora_core.platforms import platform_for
 
 from .block_kernels import block_expand, block_shrink
@@ -69,11 +70,6 @@ def check_graph_kernel(kernel: str) -> str:
     return kernel
 
 
-def _aligned(dtype: torch.dtype, *sizes: int) -> bool:
-    """Grouped GEMMs need every row stride and slice offset to be a multiple of 16 bytes."""
-    return all(size * dtype.itemsize % 16 == 0 for size in sizes)
-
-
 def graph_kernel(
     batch_info: BatchInfo, rows: int, weights: torch.Tensor, *sizes: int, preference: str = "auto"
 ) -> str:
@@ -87,8 +83,7 @@ def graph_kernel(
     """
     if preference == "blocked" or not hasattr(torch, "_grouped_mm"):
         return "blocked"
-    possible = (rows == batch_info.num_tokens and weights.is_contiguous()
-                and weights.data_ptr() % 16 == 0 and _aligned(weights.dtype, *sizes))
+    possible = rows == batch_info.num_tokens and grouped_gemm_fits((weights,), *sizes)
     if preference == "grouped":
         return "grouped" if possible else "blocked"
     return "grouped" if possible and platform_for(batch_info.device).prefers_grouped_gemm else "blocked"

@@ -20,6 +20,7 @@ import itertools
 
 import torch
 
+from lora_core.grouped_gemm import grouped_gemm_fits
 from lora_core.platforms import platform_for
 
 __all__ = ["expert_projection"]
@@ -40,9 +41,8 @@ def expert_projection(x: torch.Tensor, expert_ids: torch.Tensor, weight: torch.T
     if P == 0:
         return x.new_zeros(T, K, out_features)
     grouped = (not torch.compiler.is_compiling()  # compiled grouped GEMMs take bf16 only
-               and hasattr(torch, "_grouped_mm") and platform_for(x.device).prefers_grouped_gemm
-               and weight.is_contiguous() and weight.data_ptr() % 16 == 0
-               and all(n * weight.dtype.itemsize % 16 == 0 for n in (in_features, out_features)))
+               and platform_for(x.device).prefers_grouped_gemm
+               and grouped_gemm_fits((weight,), in_features, out_features))
     if grouped:
         order = torch.argsort(safe, stable=True)
         counts = torch.zeros(E, dtype=torch.int32, device=x.device).index_add_(
