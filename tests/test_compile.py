@@ -119,3 +119,29 @@ def test_tiny_llama_compiles_once_and_serves_three_batches(adapter_paths, backen
 def test_inductor_compiles_the_wrapped_model_once(adapter_paths):
     """One inductor compile (slow on CPU) of the fused decoder on the default backend."""
     _check(*_serve(*_tiny_decoder(True), adapter_paths, "torch_native", compile_backend="inductor"))
+
+
+@pytest.mark.parametrize("graph", [True, False], ids=["graph-mode", "eager-batches"])
+def test_two_wrapped_models_compile_in_one_function(adapter_paths, graph):
+    """Two MultiLoRA instances (a draft and a target model, say) traced into one fullgraph function:
+    each layer hands its own batch to lora_cuda's ops, and the results are each model's own."""
+    models = [_tiny_decoder(False)[0] for _ in range(2)]
+    config = TinyConfig(**TINY)
+    wrapped = [build_multilora(model, config, adapter_paths, "torch_native") for model in models]
+    for mlora, adapters in zip(wrapped, (["r8", None], ["r16", "r32-rslora"])):
+        if graph:
+            mlora.enable_graph(CAPACITY)
+        mlora.set_batch([CAPACITY - 4, 4], adapters)
+    ids = torch.randint(0, config.vocab_size, (CAPACITY,), generator=torch.Generator().manual_seed(0))
+
+    def step(ids):
+        return torch.stack([model(ids) for model in models])
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        want = step(ids)
+        got = torch.compile(step, backend=Counting(), fullgraph=True)(ids)
+    rtol, atol = TOLERANCES[torch.float32]
+    torch.testing.assert_close(got, want, rtol=rtol, atol=atol)
+    for mlora in wrapped:
+        mlora.unwrap()
