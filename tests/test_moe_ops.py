@@ -106,6 +106,16 @@ def test_both_graph_safe_kernels_match_reference(device, kernel, dtype):
         assert_close_to_reference(out, base.float().cpu() + reference_experts_lora(x, picked, a, b, ref), dtype)
 
 
+def test_the_eager_kernel_reads_the_groups_back_once():
+    # one read back of the (slot, expert) group sizes per call: a read is a device sync on a GPU
+    from lora_cuda import experts_lora_fwd
+
+    ranks, (a, b), (batch_a, batch_b), (ids_a, ids_b), x, _ = _case(1, torch.float32, "cpu", 2, aligned=True)
+    for batch, ids in ((batch_a, ids_a), (batch_b, ids_b)):
+        info = make_batch_info(*batch, ranks, device="cpu")
+        assert count_launches(experts_lora_fwd, x, ids, a, b, info).host_reads == 1
+
+
 @pytest.mark.parametrize("kernel", ["grouped", "blocked"])
 def test_graph_safe_kernel_has_constant_launches_and_pair_proportional_flops(kernel):
     from lora_cuda import experts_lora_fwd

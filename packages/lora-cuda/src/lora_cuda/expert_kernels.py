@@ -7,7 +7,7 @@ dispatched pairs times the rank, never with every expert times every slot:
 
 * :func:`control_experts_lora` (eager batches of ``torch_native``): pairs sorted
   by group on the device, the group sizes read back once per call (the router's
-  choices are device data, as transformers' own experts loop reads them), then a
+  choices are device data; transformers' own experts loop reads back per expert), then a
   host loop over the groups that exist: one shrink and one expand per group.
 * :func:`graph_experts_lora` (graph batches, ``ascend``, ``torch.compile``):
   static shapes and nothing read on the host, with one of two kernels (the
@@ -119,7 +119,9 @@ def control_experts_lora(x: torch.Tensor, expert_ids: torch.Tensor, a: torch.Ten
     active = coef[:, 0] != 0  # a delta: a slot of rank > 0, an expert in [0, E)
     keys = torch.where(active, groups, L * E)
     order = torch.argsort(keys, stable=True)
-    counts = torch.bincount(keys, minlength=L * E + 1)[: L * E].tolist()  # the one read back per call
+    # the one read back per call (bincount would first read back the keys' min and max)
+    counts = torch.zeros(L * E + 1, dtype=torch.int64, device=x.device).index_add_(
+        0, keys, torch.ones_like(keys))[: L * E].tolist()
     xs, delta = x.reshape(T * K, in_features), x.new_zeros(T * K, out_features)
     start = 0
     for group, count in enumerate(counts):

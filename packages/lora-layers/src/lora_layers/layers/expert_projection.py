@@ -8,8 +8,9 @@
   device's platform prefers it (the CPU), for contiguous weights with 16-byte aligned
   strides, and not under ``torch.compile`` (whose grouped GEMM takes bf16 only): no
   host read, no weight copies;
-* eager batches elsewhere: a host loop over the experts the router picked (one read
-  back of the choices, as transformers' own experts loop does);
+* eager batches elsewhere: a host loop over the experts the router picked, after one
+  read back of how many pairs each expert got (transformers' own experts loop reads
+  back once per expert);
 * graph batches and compiled code elsewhere: each pair's weight gathered for one ``bmm`` per chunk of
   pairs, static shapes and nothing read on the host.
 """
@@ -62,8 +63,8 @@ def expert_projection(x: torch.Tensor, expert_ids: torch.Tensor, weight: torch.T
         counts = torch.zeros(E + 1, dtype=torch.int64, device=x.device).index_add_(
             0, key, torch.ones_like(key))[:E].tolist()  # the one read back
         ends = itertools.accumulate(counts)
-        for expert, (n, end) in enumerate(zip(counts, ends)):  # the experts the router picked
-            if n:
+        for expert, (n, end) in enumerate(zip(counts, ends)):
+            if n:  # an expert the router picked
                 rows = order[end - n : end]
                 out.index_copy_(0, rows, xs.index_select(0, rows) @ weight[expert].T)
     return torch.where(valid[:, None], out, 0).view(T, K, out_features)
