@@ -137,11 +137,15 @@ def test_two_wrapped_models_compile_in_one_function(adapter_paths, graph):
     def step(ids):
         return torch.stack([model(ids) for model in models])
 
+    counting = Counting()
     torch._dynamo.reset()
-    with torch.no_grad():
-        want = step(ids)
-        got = torch.compile(step, backend=Counting(), fullgraph=True)(ids)
+    try:
+        with torch.no_grad():
+            want = step(ids)
+            got = torch.compile(step, backend=counting, fullgraph=True)(ids)
+    finally:
+        for mlora in wrapped:
+            mlora.unwrap()
+    assert counting.compiles == 1
     rtol, atol = TOLERANCES[torch.float32]
     torch.testing.assert_close(got, want, rtol=rtol, atol=atol)
-    for mlora in wrapped:
-        mlora.unwrap()

@@ -1,6 +1,7 @@
 """The offline examples run: serving PEFT adapters with generate() on a tiny Llama, and the PEFT benchmark (smoke)."""
 
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -30,7 +31,10 @@ def test_bench_peft_smoke_checks_and_times_every_variant(capsys, tmp_path):
     for variant in ("| prefill | base |", "| prefill | peft |", "| decode | lora-kit torch_native |"):
         assert variant in out
     assert "target (decode, lora-kit torch_native): LoRA overhead at most 0.33 of PEFT's" in out
-    assert (tmp_path / "bench.json").is_file()
+    assert "target (prefill, lora-kit torch_native): LoRA overhead at most 0.50 of PEFT's" in out
+    assert "target (prefill, lora-kit ascend): LoRA overhead at most 1.00 of PEFT's" in out
+    meta = json.loads((tmp_path / "bench.json").read_text())["meta"]
+    assert len(meta["routes"]["decode"]) == 64 and meta["targets"]["ascend"] == {"prefill": 1.0, "decode": 1.0}
 
 
 def test_the_example_of_docs_transformers_md_runs(capsys, tmp_path, monkeypatch):

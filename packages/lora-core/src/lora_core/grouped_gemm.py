@@ -9,6 +9,8 @@ fused experts in lora-layers ask here before taking it, and fall back otherwise.
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 
 __all__ = ["grouped_gemm_fits"]
@@ -16,11 +18,13 @@ __all__ = ["grouped_gemm_fits"]
 _ALIGNMENT = 16  # bytes
 
 
-def grouped_gemm_fits(stacks: tuple[torch.Tensor, ...] | list[torch.Tensor], *sizes: int) -> bool:
-    """Whether ``torch._grouped_mm`` takes the weight ``stacks`` as they are, with row strides
-    and slice offsets of ``sizes`` elements (of the stacks' dtype): the op exists, every stack
-    is contiguous with 16-byte aligned data, and every size is a multiple of 16 bytes.
-    Decided from metadata only."""
+def grouped_gemm_fits(stacks: Sequence[torch.Tensor], *sizes: int) -> bool:
+    """Whether ``torch._grouped_mm`` takes the weight ``stacks`` (one or more, of one dtype) as
+    they are, with row strides and slice offsets of ``sizes`` elements of that dtype: the op
+    exists, every stack is contiguous with 16-byte aligned data, and every size is a multiple
+    of 16 bytes. Decided from metadata only; ``ValueError`` for no stacks or mixed dtypes."""
+    if not stacks or any(w.dtype != stacks[0].dtype for w in stacks):
+        raise ValueError(f"stacks must be one or more tensors of one dtype, got {[w.dtype for w in stacks]}")
     if not hasattr(torch, "_grouped_mm"):
         return False
     if not all(w.is_contiguous() and w.data_ptr() % _ALIGNMENT == 0 for w in stacks):
