@@ -16,7 +16,10 @@
 #    20) failures, so that a failure every test shares ends the run early, its tracebacks printed;
 # 4. runs the op benchmarks, python -m lora_cuda.bench, with JSON in OUTDIR/bench-cuda.json, and
 #    the planning benchmark for batches on the GPU, python -m lora_cuda.bench_planning --device
-#    cuda, with JSON in OUTDIR/bench-planning-cuda.json.
+#    cuda, with JSON in OUTDIR/bench-planning-cuda.json;
+# 5. runs the end-to-end benchmarks on cuda: a compiled decode step against the eager one,
+#    examples/bench_compile.py (OUTDIR/bench-compile-cuda.json), and lora-kit against PEFT on a
+#    transformers Llama, examples/bench_peft.py (OUTDIR/bench-peft-cuda.json).
 # Exit status: the first failing step's. --dry-run prints each command (shell-quoted, as run)
 # and runs nothing. Merge gpu-report.json with the other hosts' reports: docs/device-matrix.md.
 # CI never runs this script for real (tests/test_ci_scripts.py checks the dry run).
@@ -72,4 +75,8 @@ fi
 run "${bench[@]}"
 run env TORCH_DEVICE_BACKEND_AUTOLOAD=0 "$PYTHON" -m lora_cuda.bench_planning --device cuda \
   --json "$out/bench-planning-cuda.json"
+run env TORCH_DEVICE_BACKEND_AUTOLOAD=0 "$PYTHON" examples/bench_compile.py --device cuda \
+  --json "$out/bench-compile-cuda.json"
+run env TORCH_DEVICE_BACKEND_AUTOLOAD=0 "$PYTHON" examples/bench_peft.py --device cuda \
+  --json "$out/bench-peft-cuda.json"
 exit "$status"

@@ -121,6 +121,20 @@ def test_gpu_dry_run_benchmarks_planning_for_batches_on_the_gpu(gpu_commands):
         assert option in help_text, f"lora_cuda.bench_planning has no {option} option"
 
 
+@pytest.mark.parametrize("script, report", [("bench_compile.py", "bench-compile-cuda.json"),
+                                            ("bench_peft.py", "bench-peft-cuda.json")])
+def test_gpu_dry_run_runs_the_end_to_end_benchmarks_on_the_gpu(gpu_commands, script, report):
+    out, commands, _ = gpu_commands
+    bench = _strip_env(_command(commands, f"examples/{script}"))
+    assert bench[:2] == [sys.executable, f"examples/{script}"] and (ROOT / bench[1]).is_file()
+    pairs = list(zip(bench, bench[1:]))
+    assert ("--device", "cuda") in pairs and ("--json", str(out / report)) in pairs
+    help_text = subprocess.run([sys.executable, bench[1], "--help"], cwd=ROOT, capture_output=True, text=True,
+                               env=_env(), timeout=300, check=True).stdout
+    for option in (a for a in bench[2:] if a.startswith("--")):
+        assert option in help_text, f"{script} has no {option} option"
+
+
 def test_gpu_dry_run_checks_for_a_cuda_torch_first(gpu_commands):
     _, commands, _ = gpu_commands
     check = commands[0]
