@@ -29,7 +29,6 @@ import json
 import os
 import sys
 import tempfile
-import time
 import warnings
 from pathlib import Path
 from typing import Callable
@@ -39,8 +38,8 @@ from torch import nn
 
 from lora_core import available_backends
 from lora_core.testing import TOLERANCES
-from lora_core.testing.timing import (Interleaved, Spread, apply_threads, benchmark_parser, format_spread, machine_info,
-                                     sync_device)
+from lora_core.testing.timing import (Interleaved, Spread, add_clock_option, apply_threads, benchmark_parser,
+                                     clock_from, format_spread, machine_info, sync_device)
 
 SIZES = {"default": dict(hidden_size=1024, intermediate_size=3584), "smoke": dict(hidden_size=32, intermediate_size=48)}
 PROMPT_LEN = {"default": 128, "smoke": 6}
@@ -180,13 +179,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = benchmark_parser("bench_moe", "lora-kit vs PEFT on a Mixtral-shaped mixture-of-experts layer")
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     parser.add_argument("--repeats", type=int, default=None, help="forwards per variant per round")
-    parser.add_argument("--clock", choices=["wall", "thread"], default="wall",
-                        help="wall: elapsed time (default); thread: this thread's CPU time (CPU only, --threads 1)")
+    add_clock_option(parser)
     args = parser.parse_args(argv)
-    if args.clock == "thread" and (args.threads != 1 or args.device != "cpu"):
-        parser.error("--clock thread counts one thread's CPU time: use it with --threads 1 on the CPU")
+    clock = clock_from(parser, args)
     apply_threads(args.threads)
-    clock = time.thread_time if args.clock == "thread" else time.perf_counter
     size = "smoke" if args.smoke else "default"
     rounds = 3 if args.smoke else args.rounds
     load_before = os.getloadavg()[0]

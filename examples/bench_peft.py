@@ -43,8 +43,8 @@ from typing import Callable
 import torch
 
 from lora_core import available_backends
-from lora_core.testing.timing import (Interleaved, Spread, apply_threads, benchmark_parser, format_spread, machine_info,
-                                     sync_device)
+from lora_core.testing.timing import (Interleaved, Spread, add_clock_option, apply_threads, benchmark_parser,
+                                     clock_from, format_spread, machine_info, sync_device)
 
 SIZES = {
     "default": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=4, num_attention_heads=16,
@@ -254,17 +254,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = benchmark_parser("bench_peft", "lora-kit vs PEFT's mixed-batch inference on a transformers model")
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     parser.add_argument("--repeats", type=int, default=None, help="forwards per variant per round")
-    parser.add_argument("--clock", choices=["wall", "thread"], default="wall",
-                        help="wall: elapsed time (default); thread: this thread's CPU time, which other "
-                             "processes on a busy machine do not inflate (CPU only, needs --threads 1)")
+    add_clock_option(parser)
     parser.add_argument("--wait-quiet", type=float, default=0.0, metavar="S",
                         help="first wait up to S seconds for the load average to drop below 1")
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore", category=FutureWarning)  # transformers renaming past_key_values
-    if args.clock == "thread" and (args.threads != 1 or args.device != "cpu"):
-        parser.error("--clock thread counts one thread's CPU time: use it with --threads 1 on the CPU")
+    clock = clock_from(parser, args)
     apply_threads(args.threads)
-    clock = time.thread_time if args.clock == "thread" else time.perf_counter
     size = "smoke" if args.smoke else "default"
     rounds = 3 if args.smoke else args.rounds
     load_before = wait_for_quiet(args.wait_quiet) if args.wait_quiet else os.getloadavg()[0]

@@ -21,7 +21,7 @@ import torch
 from lora_core.platforms import platform_for
 
 __all__ = ["Interleaved", "Spread", "machine_info", "sync_device", "format_spread", "benchmark_parser",
-           "apply_threads", "positive_int"]
+           "apply_threads", "positive_int", "add_clock_option", "clock_from"]
 
 
 @dataclass(frozen=True)
@@ -144,6 +144,24 @@ def benchmark_parser(prog: str, description: str, *, min_run_time: float = 1.0) 
                         help="torch intra-op threads to time with (default: torch's, "
                              f"{torch.get_num_threads()} here); reported with the figures")
     return parser
+
+
+def add_clock_option(parser: argparse.ArgumentParser) -> None:
+    """``--clock {wall,thread}`` for an end-to-end benchmark; :func:`clock_from` reads it back."""
+    parser.add_argument("--clock", choices=["wall", "thread"], default="wall",
+                        help="wall: elapsed time (default); thread: this thread's CPU time, which other "
+                             "processes on a busy machine do not inflate (CPU only, needs --threads 1)")
+
+
+def clock_from(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Callable[[], float]:
+    """The timer ``--clock`` picks: ``time.perf_counter``, or ``time.thread_time`` (one thread's CPU
+    time, so only with ``--threads 1`` and, where the parser has ``--device``, on the CPU: else a
+    parser error)."""
+    if args.clock == "wall":
+        return time.perf_counter
+    if args.threads != 1 or getattr(args, "device", "cpu") != "cpu":
+        parser.error("--clock thread counts one thread's CPU time: use it with --threads 1 on the CPU")
+    return time.thread_time
 
 
 def apply_threads(threads: int | None) -> int:
