@@ -35,22 +35,18 @@ def _case(seed, dtype, device, top_k, aligned=False):
     return ranks, (a, b), batches, ids, x, base
 
 
-@pytest.mark.parametrize("backend_name", BACKENDS)
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("top_k", [1, 2])
-@pytest.mark.parametrize("seed", range(2))
-def test_experts_lora_matches_reference(device, backend_name, dtype, top_k, seed):
-    ranks, (a, b), (batch_a, batch_b), (ids_a, ids_b), x, base = _case(seed, dtype, device.torch_device, top_k)
-    backend = get_backend(backend_name)(device.torch_device)
-    info = make_batch_info(*batch_a, ranks, device=device.torch_device, use_graph=device.is_graph)
-    holder = {"info": info}
+def _check_two_batches(device, backend, case, dtype):
+    """Run batch A, then batch B in the same buffers (a replay where the device captures), and
+    compare both with the reference: other requests and slots, other router choices."""
+    ranks, (a, b), (batch_a, batch_b), (ids_a, ids_b), x, base = case
+    holder = {"info": make_batch_info(*batch_a, ranks, device=device.torch_device, use_graph=device.is_graph)}
     ids = ids_a.clone()
 
     def step(x, ids, base):
         backend.prepare_batch(holder["info"])
         return backend.run_experts_lora(x, ids, a, b, base.clone())
 
-    def refill():  # batch B: other requests and slots, other router choices, in the same buffers
+    def refill():
         ids.copy_(ids_b)
         if device.is_graph:
             holder["info"].refill(*batch_b)
@@ -61,6 +57,15 @@ def test_experts_lora_matches_reference(device, backend_name, dtype, top_k, seed
     for out, batch, picked in ((out_a, batch_a, ids_a), (out_b, batch_b, ids_b)):
         ref = make_batch_info(*batch, ranks, device="cpu")
         assert_close_to_reference(out, base.float().cpu() + reference_experts_lora(x, picked, a, b, ref), dtype)
+
+
+@pytest.mark.parametrize("backend_name", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("top_k", [1, 2])
+@pytest.mark.parametrize("seed", range(2))
+def test_experts_lora_matches_reference(device, backend_name, dtype, top_k, seed):
+    case = _case(seed, dtype, device.torch_device, top_k)
+    _check_two_batches(device, get_backend(backend_name)(device.torch_device), case, dtype)
 
 
 @pytest.mark.parametrize("backend_name", BACKENDS)
@@ -83,27 +88,8 @@ def test_no_delta_without_adapter_or_expert(backend_name):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_both_graph_safe_kernels_match_reference(device, kernel, dtype):
     """The ascend backend (graph-safe for every batch) with each kernel preference."""
-    ranks, (a, b), (batch_a, batch_b), (ids_a, ids_b), x, base = _case(4, dtype, device.torch_device, 2,
-                                                                       aligned=True)
-    backend = get_backend("ascend")(device.torch_device, graph_kernel=kernel)
-    holder = {"info": make_batch_info(*batch_a, ranks, device=device.torch_device, use_graph=device.is_graph)}
-    ids = ids_a.clone()
-
-    def step(x, ids, base):
-        backend.prepare_batch(holder["info"])
-        return backend.run_experts_lora(x, ids, a, b, base.clone())
-
-    def refill():
-        ids.copy_(ids_b)
-        if device.is_graph:
-            holder["info"].refill(*batch_b)
-        else:
-            holder["info"] = make_batch_info(*batch_b, ranks, device=device.torch_device)
-
-    out_a, out_b = device.run_two_batches(step, (x, ids, base), refill)
-    for out, batch, picked in ((out_a, batch_a, ids_a), (out_b, batch_b, ids_b)):
-        ref = make_batch_info(*batch, ranks, device="cpu")
-        assert_close_to_reference(out, base.float().cpu() + reference_experts_lora(x, picked, a, b, ref), dtype)
+    case = _case(4, dtype, device.torch_device, 2, aligned=True)
+    _check_two_batches(device, get_backend("ascend")(device.torch_device, graph_kernel=kernel), case, dtype)
 
 
 def test_the_eager_kernel_reads_the_groups_back_once():
