@@ -1,0 +1,198 @@
+"""vLLM's punica wrapper on lora-kit kernels: the class vLLM's LoRA layers call.
+
+vLLM builds one wrapper per model (``get_punica_wrapper``, by the qualified name that
+:func:`lora_vllm.plugin.register` gives the platform) and calls :meth:`update_metadata`
+when a step's mapping or slot layout changes; every LoRA layer then calls the ``add_*``
+methods. This wrapper turns the mapping into two lora-kit batches once per step (the
+tokens, and the sampled rows the LM head and classifier heads see) and runs each layer's
+shrink and expand as lora-kit ops on vLLM's own stacked buffers, viewed, never copied:
+
+* ``lora_a_stacked[i] (L, 1, R, in)`` viewed as ``(L, R, in)``, ``lora_b_stacked[i]
+  (L, 1, out_i, R)`` as ``(L, out_i, R)``: the lora-kit layout of one slice
+  (docs/layout.md), with every occupied slot at rank ``R`` (vLLM zero-pads ranks) and
+  scaling 1 (vLLM folds each adapter's scaling into ``B``);
+* tokens of slot ``-1`` get no delta. (vLLM's CPU ops index the weights with ``-1``, which
+  is the last slot: a base-model request batched beside an adapter in the last slot gets
+  that adapter's delta there. Here it gets none.)
+
+The vLLM tensors other layers read (``_embeddings_indices`` for the embedding's ``lora_a``
+gather, ``sampler_indices`` and the rest) are filled as vLLM's ``convert_mapping`` fills
+them, computed with NumPy instead of its loop over tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from lora_core import LoRABackend, get_backend
+from vllm.logger import logger
+from vllm.lora.punica_wrapper.punica_base import PunicaWrapperBase
+
+from .batches import RankedBatches
+from .mapping import StepMapping
+from .plugin import backend_name
+
+__all__ = ["LoRAKitPunicaWrapper"]
+
+
+def _slices(stacked: tuple[torch.Tensor, ...] | torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """vLLM's per-slice stacked buffers ``(L, 1, rows, cols)`` as lora-kit views ``(L, rows, cols)``."""
+    if isinstance(stacked, torch.Tensor):
+        stacked = (stacked,)
+    return tuple(w.squeeze(1) if w.dim() == 4 else w for w in stacked)
+
+
+def _rows(batches: RankedBatches, t: torch.Tensor, name: str) -> int:
+    """The step's row count; ``t`` may hold more rows (padding), never fewer."""
+    n = batches.num_rows
+    if t.shape[0] < n:
+        raise ValueError(f"{name} has {t.shape[0]} rows but the step maps {n}")
+    return n
+
+
+def _expand_into(backend: LoRABackend, y: torch.Tensor, x: torch.Tensor, b: torch.Tensor,
+                 add_inputs: bool) -> None:
+    """``y (T, out) (+)= x (T, R) @ b[slot_t] (L, out, R)``; ``y`` may be a strided view."""
+    x = x.to(b.dtype)
+    offsets = (0, b.shape[1])
+    if add_inputs and y.dtype == b.dtype:
+        backend.run_lora_b(x, b, offsets, base_output=y)
+        return
+    delta = backend.run_lora_b(x, b, offsets)
+    if add_inputs:
+        y.add_(delta)
+    else:
+        y.copy_(delta)
+
+
+class LoRAKitPunicaWrapper(PunicaWrapperBase):
+    """A ``PunicaWrapperBase`` whose LoRA math runs on a lora-kit backend.
+
+    The backend is named by the ``LORA_KIT_VLLM_BACKEND`` environment variable
+    (:func:`lora_vllm.plugin.backend_name`; ``torch_native`` or ``ascend``). Arguments are
+    vLLM's (``get_punica_wrapper(max_num_batched_tokens, max_batches, device, lora_config=...)``).
+    """
+
+    def __init__(self, max_num_batched_tokens: int, max_batches: int, device: torch.device | str,
+                 **kwargs: Any) -> None:
+        super().__init__(max_num_batched_tokens, max_batches, device)
+        lora_config = kwargs.get("lora_config")
+        self.backend_name = backend_name()
+        backend_cls = get_backend(self.backend_name)
+        self.max_lora_rank = int(lora_config.max_lora_rank) if lora_config is not None else None
+        self._device = torch.device(device)
+        self._tokens = RankedBatches(lambda: backend_cls(self._device), self._device)
+        self._sampled = RankedBatches(lambda: backend_cls(self._device), self._device)
+        logger.info_once("lora-kit: vLLM's LoRA layers run on lora-kit backend %r (%s)", self.backend_name,
+                         backend_cls.__qualname__)
+
+    # ----------------------------------------------------------------- metadata
+    def update_metadata(self, mapping: Any, lora_index_to_id: list[int | None], max_loras: int, vocab_size: int,
+                        **kwargs: Any) -> None:
+        """Fill vLLM's index tensors and build this step's lora-kit batches (tokens, sampled rows)."""
+        step = StepMapping.from_vllm(mapping.index_mapping, mapping.prompt_mapping, lora_index_to_id, max_loras,
+                                     vocab_size)
+        num_tokens, num_sampled = step.token_slots.size, step.row_slots.size
+        for buffer, values in ((self._token_lora_indices, step.token_slots),
+                               (self._sampler_indices, step.row_slots),
+                               (self._sampler_indices_padded, step.row_offsets_padded),
+                               (self._embeddings_indices, step.embedding_offsets)):
+            buffer[: values.size].copy_(torch.from_numpy(values), non_blocking=True)
+        self.indices_len[:] = [num_tokens, num_sampled, num_sampled, num_tokens]
+        self.is_prefill = bool(mapping.is_prefill)
+        self.no_lora = not bool((step.token_slots >= 0).any())
+
+        occupied = [lora_id is not None for lora_id in lora_index_to_id]
+        rank = self.max_lora_rank or 1
+        self._tokens.reset(step.token_slots, occupied, rank)
+        self._sampled.reset(step.row_slots, occupied, rank)
+
+    # ---------------------------------------------------------------- LoRA math
+    def add_shrink(self, y: tuple[torch.Tensor, ...] | torch.Tensor, x: torch.Tensor,
+                   lora_a_stacked: tuple[torch.Tensor, ...], scale: float, **kwargs: Any) -> Any:
+        """``y[i] += scale * x @ lora_a[slot_t, i].T`` for every slice ``i`` (``y[i] (T, R)``)."""
+        x = x.view(-1, x.shape[-1])
+        if not self._tokens.any_adapter:
+            return y
+        n = _rows(self._tokens, x, "x")
+        for i, a in enumerate(_slices(lora_a_stacked)):
+            shrunk = self._tokens.backend(a.shape[1]).run_lora_a(x[:n].to(a.dtype), a)
+            out = y[i].view(-1, y[i].shape[-1])[:n]
+            out.add_(shrunk if scale == 1.0 else shrunk * scale)
+        return y
+
+    def add_expand(self, y: torch.Tensor, x: tuple[torch.Tensor, ...] | torch.Tensor,
+                   lora_b_stacked: tuple[torch.Tensor, ...], output_slices: tuple[int, ...], offset_start: int = 0,
+                   add_inputs: bool = True, **kwargs: Any) -> Any:
+        """``y[:, o_i : o_i + out_i] += x[i] @ lora_b[slot_t, i].T``, ``o_0 = offset_start``."""
+        y2 = y.view(-1, y.shape[-1])
+        if not self._tokens.any_adapter:
+            if not add_inputs:
+                y2[:, offset_start: offset_start + sum(output_slices)].zero_()
+            return y
+        n = _rows(self._tokens, y2, "y")
+        offset = offset_start
+        for i, (b, size) in enumerate(zip(_slices(lora_b_stacked), output_slices)):
+            _expand_into(self._tokens.backend(b.shape[2]), y2[:n, offset: offset + size], x[i][:n], b, add_inputs)
+            offset += size
+        return y
+
+    def add_lora_embedding(self, y: torch.Tensor, x: torch.Tensor, lora_b_stacked: torch.Tensor,
+                           add_inputs: bool = True, **kwargs: Any) -> Any:
+        """The embedding's expand: ``y += x @ lora_b[slot_t].T`` (its shrink is vLLM's gather)."""
+        if self._tokens.any_adapter:
+            (b,) = _slices(lora_b_stacked)
+            n = _rows(self._tokens, y, "y")
+            _expand_into(self._tokens.backend(b.shape[2]), y[:n], x[:n], b, add_inputs)
+        return y
+
+    def add_lora_linear(self, y: torch.Tensor, x: torch.Tensor, lora_a_stacked: tuple[torch.Tensor, ...],
+                        lora_b_stacked: tuple[torch.Tensor, ...], scale: float, output_slices: tuple[int, ...], *,
+                        buffer: tuple[torch.Tensor, ...] | None = None, **kwargs: Any) -> Any:
+        """``y[:, o_i : o_i + out_i] += scale * x @ lora_a[slot_t, i].T @ lora_b[slot_t, i].T`` per slice."""
+        if not self._tokens.any_adapter:
+            return y
+        n = _rows(self._tokens, x, "x")
+        add_inputs = kwargs.get("add_inputs", True)
+        a_slices, b_slices = _slices(lora_a_stacked), _slices(lora_b_stacked)
+        if not len(a_slices) == len(b_slices) == len(output_slices):
+            raise ValueError(f"{len(a_slices)} lora_a slices, {len(b_slices)} lora_b slices and "
+                             f"{len(output_slices)} output_slices: they must be as many")
+        offset = 0
+        for a, b, size in zip(a_slices, b_slices, output_slices):
+            backend = self._tokens.backend(a.shape[1])
+            shrunk = backend.run_lora_a(x[:n].to(a.dtype), a)
+            if scale != 1.0:
+                shrunk = shrunk * scale
+            _expand_into(backend, y[:n, offset: offset + size], shrunk, b, add_inputs)
+            offset += size
+        return y
+
+    def add_lora_logits(self, y: torch.Tensor, x: torch.Tensor, lora_a_stacked: torch.Tensor,
+                        lora_b_stacked: torch.Tensor, scale: float, *, buffer: torch.Tensor | None = None,
+                        **kwargs: Any) -> Any:
+        """LM head over the sampled rows: ``y[:, :V] += scale * x @ lora_a[slot_r].T @ lora_b[slot_r].T``."""
+        if not self._sampled.any_adapter:
+            return y
+        (a,), (b,) = _slices(lora_a_stacked), _slices(lora_b_stacked)
+        y2, x2 = y.view(-1, y.shape[-1]), x.view(-1, x.shape[-1])
+        n = _rows(self._sampled, x2, "x")
+        backend = self._sampled.backend(a.shape[1])
+        shrunk = backend.run_lora_a(x2[:n].to(a.dtype), a)
+        if scale != 1.0:
+            shrunk = shrunk * scale
+        width = min(b.shape[1], y2.shape[1])  # the model's logits may be padded past the adapter's vocabulary
+        _expand_into(backend, y2[:n, :width], shrunk, b[:, :width], True)
+        return y
+
+    def apply_lora_full_linear(self, y: torch.Tensor, x: torch.Tensor, weight_stacked: torch.Tensor,
+                               bias_stacked: torch.Tensor, module_enabled: torch.Tensor) -> Any:
+        """A classifier head's full per-adapter weights on the sampled rows:
+        ``y[r] = x[r] @ weight[slot_r].T + bias[slot_r]`` where ``slot_r >= 0`` has one, else ``y[r]``."""
+        (w,) = _slices(weight_stacked)
+        n = _rows(self._sampled, x, "x")
+        adapter_y = self._sampled.backend(w.shape[1]).run_lora_a(x[:n].to(w.dtype), w)
+        y[:n].copy_(self._select_full_linear_output(y[:n], adapter_y, bias_stacked, module_enabled))
+        return y

@@ -1,0 +1,231 @@
+"""LoRAKitPunicaWrapper against vLLM's own CPU wrapper, method by method, on random steps.
+
+Each step mixes requests on several adapter slots and on the base model (LoRA id 0),
+with ranks zero-padded to the buffers' rank as vLLM loads them. vLLM's CPU ops read slot
+``-1`` as the last slot, so the comparisons keep the last slot empty (all zeros), where
+that reading gives the right answer; ``test_base_rows_get_no_delta_beside_an_adapter_in_the_last_slot``
+covers the case where vLLM's own wrapper is wrong.
+"""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+vllm = pytest.importorskip("vllm", reason="vLLM is not installed here (bash ci/test-vllm.sh makes a venv with it)")
+
+from vllm.lora.layers import LoRAMapping  # noqa: E402
+from vllm.lora.punica_wrapper.punica_cpu import PunicaWrapperCPU  # noqa: E402
+from vllm.lora.punica_wrapper.utils import convert_mapping  # noqa: E402
+
+from lora_vllm import ENV_VAR  # noqa: E402
+from lora_vllm.punica import LoRAKitPunicaWrapper  # noqa: E402
+
+BACKENDS = ["torch_native", "ascend"]
+MAX_TOKENS = 512
+
+
+def _step(rng: random.Random, num_slots: int, *, last_slot_empty: bool = True):
+    """A random step: ``(mapping, lora_index_to_id, ranks)``; slot ``s`` holds LoRA id ``100 + s``."""
+    lora_index_to_id = [100 + s if rng.random() < 0.8 else None for s in range(num_slots)]
+    lora_index_to_id[0] = 100
+    lora_index_to_id[-1] = None if last_slot_empty else 100 + num_slots - 1
+    ids = [0] + [i for i in lora_index_to_id if i is not None]
+    seq_lens = [rng.choice([1, 1, 2, 5, 17]) for _ in range(rng.randint(1, 9))]
+    request_ids = [rng.choice(ids) for _ in seq_lens]
+    request_ids[0] = 100  # at least one adapter row
+    index_mapping = [i for i, n in zip(request_ids, seq_lens) for _ in range(n)]
+    return LoRAMapping(index_mapping, request_ids, is_prefill=True), lora_index_to_id
+
+
+def _stacked(num_slots, rows, cols, rank_dim, lora_index_to_id, ranks, gen, dtype=torch.float32):
+    """A vLLM stacked buffer ``(L, 1, rows, cols)``: each occupied slot's rank-``r`` block random, the
+    rest zero (vLLM's zero padding); ``rank_dim`` 2 for ``lora_a`` (rows = R), 3 for ``lora_b``."""
+    w = torch.zeros(num_slots, 1, rows, cols, dtype=dtype)
+    for slot, lora_id in enumerate(lora_index_to_id):
+        if lora_id is None:
+            continue
+        r = ranks[slot]
+        block = torch.randn(r, cols, generator=gen) if rank_dim == 2 else torch.randn(rows, r, generator=gen)
+        if rank_dim == 2:
+            w[slot, 0, :r] = block
+        else:
+            w[slot, 0, :, :r] = block
+    return w
+
+
+def _wrappers(monkeypatch, backend, max_rank):
+    monkeypatch.setenv(ENV_VAR, backend)
+    theirs = PunicaWrapperCPU(MAX_TOKENS, 64, "cpu")
+    ours = LoRAKitPunicaWrapper(MAX_TOKENS, 64, "cpu", lora_config=SimpleNamespace(max_lora_rank=max_rank))
+    return theirs, ours
+
+
+def _update(wrappers, mapping, lora_index_to_id, vocab_size=64):
+    for w in wrappers:
+        w.update_metadata(mapping, lora_index_to_id, len(lora_index_to_id) + 1, vocab_size)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_metadata_equals_vllms_convert_mapping(monkeypatch, seed):
+    rng = random.Random(seed)
+    mapping, lora_index_to_id = _step(rng, rng.randint(1, 6), last_slot_empty=bool(seed % 2))
+    theirs, ours = _wrappers(monkeypatch, "torch_native", 8)
+    _update((theirs, ours), mapping, lora_index_to_id, vocab_size=77)
+    expected = convert_mapping(mapping, lora_index_to_id, len(lora_index_to_id) + 1, 77, torch.device("cpu"))
+    assert ours.indices_len == expected[4]
+    torch.testing.assert_close(ours.token_lora_indices, expected[0])
+    torch.testing.assert_close(ours.sampler_indices, expected[1])
+    torch.testing.assert_close(ours.sampler_indices_padded, expected[2])
+    torch.testing.assert_close(ours._embeddings_indices[: expected[4][3]], expected[3])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("seed", range(4))
+def test_add_lora_linear_equals_vllm_on_every_slice_count(monkeypatch, backend, seed):
+    rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
+    num_slots, R, in_features = rng.randint(2, 5), rng.choice([8, 16]), rng.choice([24, 32])
+    mapping, lora_index_to_id = _step(rng, num_slots)
+    ranks = [rng.randint(1, R) for _ in range(num_slots)]
+    theirs, ours = _wrappers(monkeypatch, backend, R)
+    _update((theirs, ours), mapping, lora_index_to_id)
+    T = len(mapping.index_mapping)
+    for output_slices in [(40,), (32, 16), (24, 8, 8)]:
+        a = tuple(_stacked(num_slots, R, in_features, 2, lora_index_to_id, ranks, gen) for _ in output_slices)
+        b = tuple(_stacked(num_slots, n, R, 3, lora_index_to_id, ranks, gen) for n in output_slices)
+        x = torch.randn(T, in_features, generator=gen)
+        y0 = torch.randn(T, sum(output_slices), generator=gen)
+        expected, got = y0.clone(), y0.clone()
+        theirs.add_lora_linear(expected, x, a, b, 1.0, output_slices)
+        ours.add_lora_linear(got, x, a, b, 1.0, output_slices)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+        assert not torch.equal(got, y0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_shrink_then_expand_with_an_offset_equals_vllm(monkeypatch, backend):
+    """The row-parallel and fully sharded layers' path: ``add_shrink`` into a ``(c, T, R)`` float32 buffer,
+    then ``add_expand`` at ``offset_start`` into a wider output."""
+    rng, gen = random.Random(7), torch.Generator().manual_seed(7)
+    num_slots, R = 4, 16
+    mapping, lora_index_to_id = _step(rng, num_slots)
+    ranks = [3, 16, 5, 9]
+    theirs, ours = _wrappers(monkeypatch, backend, R)
+    _update((theirs, ours), mapping, lora_index_to_id)
+    T, slices = len(mapping.index_mapping), (12, 20)
+    a = tuple(_stacked(num_slots, R, 32, 2, lora_index_to_id, ranks, gen) for _ in slices)
+    b = tuple(_stacked(num_slots, n, R, 3, lora_index_to_id, ranks, gen) for n in slices)
+    x = torch.randn(T, 32, generator=gen)
+    buffers = [torch.zeros(len(slices), T, R) for _ in range(2)]
+    theirs.add_shrink(buffers[0], x, a, 0.5)
+    ours.add_shrink(buffers[1], x, a, 0.5)
+    torch.testing.assert_close(buffers[1], buffers[0], rtol=1e-5, atol=1e-5)
+    y0 = torch.randn(T, 40, generator=gen)
+    expected, got = y0.clone(), y0.clone()
+    theirs.add_expand(expected, buffers[0], b, slices, offset_start=5)
+    ours.add_expand(got, buffers[1], b, slices, offset_start=5)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[:, :5], y0[:, :5])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_embedding_and_logits_equal_vllm(monkeypatch, backend):
+    rng, gen = random.Random(3), torch.Generator().manual_seed(3)
+    num_slots, R, D, V = 3, 8, 24, 50
+    mapping, lora_index_to_id = _step(rng, num_slots)
+    ranks = [8, 2, 5]
+    theirs, ours = _wrappers(monkeypatch, backend, R)
+    _update((theirs, ours), mapping, lora_index_to_id)
+    T, N = len(mapping.index_mapping), len(mapping.prompt_mapping)
+    b = _stacked(num_slots, D, R, 3, lora_index_to_id, ranks, gen)
+    shrunk = torch.randn(T, R, generator=gen)
+    y0 = torch.randn(T, D, generator=gen)
+    expected, got = y0.clone(), y0.clone()
+    theirs.add_lora_embedding(expected, shrunk, b)
+    ours.add_lora_embedding(got, shrunk, b)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+    a_head = _stacked(num_slots, R, D, 2, lora_index_to_id, ranks, gen)
+    b_head = _stacked(num_slots, V, R, 3, lora_index_to_id, ranks, gen)
+    hidden = torch.randn(N, D, generator=gen)
+    logits0 = torch.randn(N, V + 14, generator=gen)  # the model's logits padded past the vocabulary
+    expected, got = logits0.clone(), logits0.clone()
+    theirs.add_lora_logits(expected, hidden, a_head, b_head, 1.0)
+    ours.add_lora_logits(got, hidden, a_head, b_head, 1.0)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_full_linear_classifier_rows_equal_vllm(monkeypatch, backend):
+    rng, gen = random.Random(11), torch.Generator().manual_seed(11)
+    num_slots, labels, H = 3, 6, 16
+    mapping, lora_index_to_id = _step(rng, num_slots)
+    theirs, ours = _wrappers(monkeypatch, backend, 8)
+    _update((theirs, ours), mapping, lora_index_to_id)
+    N = len(mapping.prompt_mapping)
+    weight = torch.randn(num_slots, 1, labels, H, generator=gen)
+    bias = torch.randn(num_slots, labels, generator=gen)
+    enabled = torch.tensor([True, False, True])
+    x, y0 = torch.randn(N, H, generator=gen), torch.randn(N, labels, generator=gen)
+    expected, got = y0.clone(), y0.clone()
+    theirs.apply_lora_full_linear(expected, x, weight, bias, enabled)
+    ours.apply_lora_full_linear(got, x, weight, bias, enabled)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_base_rows_get_no_delta_beside_an_adapter_in_the_last_slot(monkeypatch, backend):
+    """vLLM's CPU ops index the stacked weights with -1 (its 'no adapter'), i.e. the last slot:
+    a base-model row batched beside an adapter in the last slot gets that adapter's delta.
+    Rows without an adapter must keep the base output exactly."""
+    gen = torch.Generator().manual_seed(0)
+    lora_index_to_id = [100, 101]
+    mapping = LoRAMapping([100, 100, 0, 0, 0, 101], [100, 0, 101], is_prefill=True)
+    theirs, ours = _wrappers(monkeypatch, backend, 4)
+    _update((theirs, ours), mapping, lora_index_to_id)
+    a = (_stacked(2, 4, 8, 2, lora_index_to_id, [4, 4], gen),)
+    b = (_stacked(2, 6, 4, 3, lora_index_to_id, [4, 4], gen),)
+    x, y0 = torch.randn(6, 8, generator=gen), torch.randn(6, 6, generator=gen)
+    got, theirs_y = y0.clone(), y0.clone()
+    ours.add_lora_linear(got, x, a, b, 1.0, (6,))
+    theirs.add_lora_linear(theirs_y, x, a, b, 1.0, (6,))
+    torch.testing.assert_close(got[2:5], y0[2:5], rtol=0, atol=0)
+    for t, slot in [(0, 0), (1, 0), (5, 1)]:
+        expected = y0[t] + b[0][slot, 0] @ (a[0][slot, 0] @ x[t])
+        torch.testing.assert_close(got[t], expected, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(theirs_y[2:5], y0[2:5])  # vLLM's own CPU wrapper, for the record
+
+
+def test_a_step_without_adapters_leaves_every_output_alone(monkeypatch):
+    theirs, ours = _wrappers(monkeypatch, "torch_native", 4)
+    mapping = LoRAMapping([0, 0, 0], [0], is_prefill=True)
+    _update((ours,), mapping, [None, 100])
+    assert ours.no_lora
+    a, b = (torch.randn(2, 1, 4, 8),), (torch.randn(2, 1, 6, 4),)
+    y0 = torch.randn(3, 6)
+    got = y0.clone()
+    ours.add_lora_linear(got, torch.randn(3, 8), a, b, 1.0, (6,))
+    assert torch.equal(got, y0)
+
+
+def test_padded_rows_beyond_the_step_are_left_alone(monkeypatch):
+    """vLLM may pad a step's rows (e.g. to a captured size): rows past the mapping get no delta."""
+    theirs, ours = _wrappers(monkeypatch, "torch_native", 4)
+    _update((ours,), LoRAMapping([100, 100], [100], is_prefill=True), [100])
+    a, b = (torch.randn(1, 1, 4, 8),), (torch.randn(1, 1, 6, 4),)
+    x, y0 = torch.randn(5, 8), torch.randn(5, 6)
+    got = y0.clone()
+    ours.add_lora_linear(got, x, a, b, 1.0, (6,))
+    torch.testing.assert_close(got[:2], y0[:2] + x[:2] @ a[0][0, 0].T @ b[0][0, 0].T)
+    assert torch.equal(got[2:], y0[2:])
+
+
+def test_an_unknown_backend_name_is_one_line_naming_the_variable(monkeypatch):
+    monkeypatch.setenv(ENV_VAR, "no_such_backend")
+    with pytest.raises(ValueError, match=rf"^{ENV_VAR}='no_such_backend' is not an installed lora-kit backend; "
+                                         r"expected one of .*torch_native"):
+        LoRAKitPunicaWrapper(MAX_TOKENS, 8, "cpu", lora_config=SimpleNamespace(max_lora_rank=8))
