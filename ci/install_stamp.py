@@ -1,13 +1,14 @@
 """Print a hash of everything ci/install.sh's pip install reads, for its skip-if-unchanged stamp.
 
-    python ci/install_stamp.py PACKAGE...     (run from the repository root)
+    python ci/install_stamp.py [--also FILE]... PACKAGE...     (run from the repository root)
 
 Hashed: ci/install.sh, ci/packages.txt, ci/constraints.txt, tests/requirements.txt, each package's
 pyproject.toml (dependencies and entry points live there) and setup.py / setup.cfg /
 MANIFEST.in if present, the names of the top-level entries of each package's src/ (a new
 top-level package changes what an install provides; new modules inside one do not, as
 editable installs put src/ itself on sys.path), the TORCH_INDEX_URL environment variable
-and the Python version.
+and the Python version; ``--also FILE`` adds a file another install script reads
+(ci/install-vllm.sh: itself and ci/vllm-requirements.txt).
 """
 
 from __future__ import annotations
@@ -21,14 +22,15 @@ INSTALL_FILES = ("ci/install.sh", "ci/packages.txt", "ci/constraints.txt", "test
 PACKAGE_FILES = ("pyproject.toml", "setup.py", "setup.cfg", "MANIFEST.in")
 
 
-def inputs_hash(packages: list[str]) -> str:
-    """The SHA-256 of the install inputs of ``packages`` (names of directories under packages/)."""
+def inputs_hash(packages: list[str], also: tuple[str, ...] = ()) -> str:
+    """The SHA-256 of the install inputs of ``packages`` (names of directories under packages/) and
+    of the files ``also``."""
     digest = hashlib.sha256()
 
     def add(label: str, data: bytes) -> None:
         digest.update(f"{label}\0{len(data)}\0".encode() + data)
 
-    for name in INSTALL_FILES:
+    for name in (*INSTALL_FILES, *also):
         add(name, Path(name).read_bytes())
     for package in packages:
         root = Path("packages", package)
@@ -46,5 +48,13 @@ def inputs_hash(packages: list[str]) -> str:
     return digest.hexdigest()
 
 
+def main(argv: list[str]) -> str:
+    also = []
+    while len(argv) >= 2 and argv[0] == "--also":
+        also.append(argv[1])
+        argv = argv[2:]
+    return inputs_hash(argv, tuple(also))
+
+
 if __name__ == "__main__":
-    print(inputs_hash(sys.argv[1:]))
+    print(main(sys.argv[1:]))

@@ -73,7 +73,7 @@ def _exec(code: str, path: Path, namespace: dict | None = None) -> dict:
 
 
 def test_there_is_a_readme_per_package():
-    assert [p.parent.name for p in READMES] == ["lora-ascend", "lora-core", "lora-cuda", "lora-layers"]
+    assert [p.parent.name for p in READMES] == ["lora-ascend", "lora-core", "lora-cuda", "lora-layers", "lora-vllm"]
 
 
 @pytest.mark.parametrize("readme", READMES, ids=lambda p: p.parent.name)

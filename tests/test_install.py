@@ -3,8 +3,8 @@
 The wheels come from ``ci/wheels.sh``; the installs are the README's per-package
 install path. Third-party packages (torch pinned by ci/constraints.txt, numpy,
 safetensors, pip) live in one shared venv, built once per run the way a user would:
-``ci/install-wheels.sh`` with all four packages, from pip's normal configuration, our
-four names only from the wheels; then emptied of our packages. Each package then gets
+``ci/install-wheels.sh`` with every package of ci/packages.txt, from pip's normal configuration,
+our names only from the wheels; then emptied of our packages. Each package then gets
 a fresh venv of its own that sees the shared third-party packages through a ``.pth``
 file, and ``pip install --no-index --find-links DIST PACKAGE`` (the README's offline
 form) puts in it that package and the lora-kit packages it declares, nothing else.
@@ -30,7 +30,8 @@ import pytest
 from filelock import FileLock  # a dependency of torch
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("lora-core", "lora-cuda", "lora-ascend", "lora-layers")
+PACKAGES = tuple(line for line in (ROOT / "ci/packages.txt").read_text().splitlines()
+                 if line and not line.startswith("#"))
 PIP_TIMEOUT_S = 1800  # a hang guard for a slow index, not a timing assertion
 
 # Runs inside the fresh venv: what got installed, from where, and every entry point loaded.
@@ -42,7 +43,7 @@ import lora_core
 
 module = importlib.import_module(sys.argv[1].replace("-", "_"))
 installed, entry_points = [], []
-for name in ("lora-core", "lora-cuda", "lora-ascend", "lora-layers"):
+for name in sys.argv[2:]:  # every lora-kit package (ci/packages.txt)
     try:
         dist = metadata.distribution(name)
     except metadata.PackageNotFoundError:
@@ -103,7 +104,7 @@ def _run(cmd: list[str], cwd: Path, **env: str) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="session")
 def wheel_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The four wheels, built by ``ci/wheels.sh`` once per pytest run (xdist workers share them)."""
+    """Our wheels, built by ``ci/wheels.sh`` once per pytest run (xdist workers share them)."""
     dist = _shared_dir(tmp_path_factory, "lora-kit-wheels")
     with FileLock(f"{dist}.lock"):
         if not (dist / "constraints.txt").is_file():
@@ -124,7 +125,7 @@ def _shared_dir(tmp_path_factory: pytest.TempPathFactory, name: str) -> Path:
 
 @pytest.fixture(scope="session")
 def third_party(tmp_path_factory: pytest.TempPathFactory, wheel_dir: Path) -> Path:
-    """The site-packages of a venv with every third-party dependency of the four packages."""
+    """The site-packages of a venv with every third-party dependency of our packages."""
     env_dir = _shared_dir(tmp_path_factory, "lora-kit-third-party")
     python = env_dir / "bin" / "python"
     with FileLock(f"{env_dir}.lock"):
@@ -167,7 +168,7 @@ def test_wheel_installs_alone_in_a_fresh_venv(package: str, wheel_dir: Path, thi
     env_dir, python, site = _fresh_venv(package, wheel_dir, third_party, tmp_path)
 
     closure = _local_closure(package)
-    probe = json.loads(_run([str(python), "-c", PROBE, package], cwd=tmp_path).stdout.strip().splitlines()[-1])
+    probe = json.loads(_run([str(python), "-c", PROBE, package, *PACKAGES], cwd=tmp_path).stdout.strip().splitlines()[-1])
     assert probe["installed"] == closure, "the venv holds exactly the package and its declared lora-kit deps"
     assert Path(probe["file"]).is_relative_to(site), f"imported from {probe['file']}, not the fresh venv"
     expected_backends = sorted(

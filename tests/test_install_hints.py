@@ -1,6 +1,6 @@
 """No install hint in the repository asks a package index for our own names.
 
-``lora-core``, ``lora-cuda``, ``lora-ascend`` and ``lora-layers`` are not registered on
+``lora-core``, ``lora-cuda``, ``lora-ascend``, ``lora-layers`` and ``lora-vllm`` are not registered on
 an index by this project (README, "One package on its own"): ``pip install lora-ascend[npu]``
 could install somebody else's package. A ``pip install`` that names one of them must
 take it from our wheels or sources: ``--no-index``, a ``constraints.txt`` of
@@ -15,7 +15,7 @@ import subprocess
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-OURS = re.compile(r"(?<![\w/.-])(lora-(?:core|cuda|ascend|layers))(?![\w/-])")
+OURS = re.compile(r"(?<![\w/.-])(lora-(?:core|cuda|ascend|layers|vllm))(?![\w/-])")
 SAFE = ("--no-index", "constraints.txt", "-e ", "install-wheels.sh")
 SUFFIXES = {".py", ".md", ".sh", ".toml", ".ini", ".txt", ".cfg"}
 

@@ -11,7 +11,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = {"lora_core": "lora-core", "lora_cuda": "lora-cuda", "lora_ascend": "lora-ascend",
-            "lora_layers": "lora-layers"}
+            "lora_layers": "lora-layers", "lora_vllm": "lora-vllm"}
 
 
 def _module_level_names(package: str) -> set[str]:

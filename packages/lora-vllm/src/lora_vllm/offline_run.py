@@ -1,11 +1,11 @@
 """Run one offline vLLM engine on a JSON spec and write what it generated (and timed) as JSON.
 
-    python -m lora_vllm.offline_run SPEC.json OUT.json
+    python -m lora_vllm.offline_run RUN.json OUT.json
 
 One engine per process: vLLM loads its plugins once per process, so vLLM's own LoRA path and
 the lora-kit plugin (``LORA_KIT_VLLM_BACKEND`` in the environment) each need their own.
 
-SPEC keys: ``model`` (directory); ``engine`` (``vllm.LLM`` keyword arguments); ``adapters``
+RUN.json keys (the run spec): ``model`` (directory); ``engine`` (``vllm.LLM`` keyword arguments); ``adapters``
 (name -> directory); ``requests`` (``[{"prompt": [token ids], "adapter": name or null}]``);
 ``max_tokens``; optional ``bad_adapters`` (name -> directory: each sent after the main batch
 to record vLLM's error); optional ``rounds`` (timed rounds, see below).
