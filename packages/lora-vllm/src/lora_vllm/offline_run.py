@@ -8,16 +8,17 @@ the lora-kit plugin (``LORA_KIT_VLLM_BACKEND`` in the environment) each need the
 RUN.json keys (the run spec): ``model`` (directory); ``engine`` (``vllm.LLM`` keyword arguments); ``adapters``
 (name -> directory); ``requests`` (``[{"prompt": [token ids], "adapter": name or null}]``);
 ``max_tokens``; optional ``bad_adapters`` (name -> directory: each sent after the main batch
-to record vLLM's error); optional ``rounds`` (timed rounds, see below).
+to record vLLM's error); optional ``timed`` (``[{"name", "requests", "max_tokens"}]``) and
+``rounds``: workloads timed after the main batch.
 
 OUT keys: ``tokens`` and ``logprobs`` (the chosen tokens' log-probabilities) per request;
 ``wrapper`` (the punica wrapper class the worker built); ``errors`` (per bad adapter,
-``[exception type, first line]``, or null); ``start_s`` and ``generate_s``; with ``rounds``,
-``rounds``: seconds per round of the LoRA workload (the requests as given) and of the base
-workload (the same requests without adapters), interleaved and alternating which goes first,
-and ``worker_s``: the worker's seconds in ``execute_model`` and, inside it, in vLLM's per-step
-LoRA bookkeeping (``set_active_loras``, which includes the wrapper's ``update_metadata``) and
-in the wrapper's ``update_metadata`` alone, summed over the LoRA rounds.
+``[exception type, first line]``, or null); ``start_s`` and ``generate_s``; with ``timed``,
+``timed``: per workload name, ``lora`` and ``base`` (seconds per round of the requests as
+given, and of the same requests without adapters; in each round both, the order alternating
+between rounds) and ``worker_s`` (the worker's seconds over the LoRA rounds in
+``execute_model``, and inside it in vLLM's per-step LoRA bookkeeping ``set_active_loras``,
+which includes the wrapper's ``update_metadata``, and in ``update_metadata`` alone).
 """
 
 from __future__ import annotations
@@ -80,9 +81,43 @@ def _read_timers(worker: Any) -> dict[str, float]:
     return out
 
 
+def _inputs(requests: list[dict[str, Any]], ids: dict[str, int], adapters: dict[str, str]) -> tuple[list, list]:
+    """vLLM prompts and LoRA requests (None for the base model) of ``requests``."""
+    from vllm.inputs import TokensPrompt
+    from vllm.lora.request import LoRARequest
+
+    prompts = [TokensPrompt(prompt_token_ids=r["prompt"]) for r in requests]
+    loras = [None if r["adapter"] is None else LoRARequest(r["adapter"], ids[r["adapter"]], adapters[r["adapter"]])
+             for r in requests]
+    return prompts, loras
+
+
+def _time_workload(llm: Any, workload: dict[str, Any], rounds: int, ids: dict[str, int],
+                   adapters: dict[str, str]) -> dict[str, Any]:
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=workload["max_tokens"], detokenize=False, ignore_eos=True)
+    prompts, loras = _inputs(workload["requests"], ids, adapters)
+    times: dict[str, list[float]] = {"lora": [], "base": []}
+    worker_s = {"execute_model": 0.0, "set_active_loras": 0.0, "update_metadata": 0.0}
+    for k in range(rounds + 1):  # round 0 warms both up and is not kept
+        for kind in (("lora", "base") if k % 2 else ("base", "lora")):
+            llm.collective_rpc(_read_timers)  # resets them
+            t0 = time.perf_counter()
+            llm.generate(prompts, params, lora_request=loras if kind == "lora" else None, use_tqdm=False)
+            elapsed = time.perf_counter() - t0
+            spent = llm.collective_rpc(_read_timers)[0]
+            if k == 0:
+                continue
+            times[kind].append(elapsed)
+            if kind == "lora":
+                for key, value in spent.items():
+                    worker_s[key] += value
+    return {**times, "worker_s": worker_s}
+
+
 def main(spec_path: str, out_path: str) -> None:
     from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
     from vllm.lora.request import LoRARequest
 
     with open(spec_path) as f:
@@ -93,9 +128,7 @@ def main(spec_path: str, out_path: str) -> None:
     start_s = time.perf_counter() - t0
     params = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], logprobs=0, detokenize=False,
                             ignore_eos=True)
-    prompts = [TokensPrompt(prompt_token_ids=r["prompt"]) for r in spec["requests"]]
-    loras = [None if r["adapter"] is None else LoRARequest(r["adapter"], ids[r["adapter"]], spec["adapters"][r["adapter"]])
-             for r in spec["requests"]]
+    prompts, loras = _inputs(spec["requests"], ids, spec["adapters"])
 
     t0 = time.perf_counter()
     outputs = llm.generate(prompts, params, lora_request=loras, use_tqdm=False)
@@ -109,22 +142,10 @@ def main(spec_path: str, out_path: str) -> None:
         "generate_s": generate_s,
     }
 
-    rounds = int(spec.get("rounds", 0))
-    if rounds:
+    if spec.get("timed"):
         llm.collective_rpc(_install_timers)
-        times: dict[str, list[float]] = {"lora": [], "base": []}
-        worker_s = {"execute_model": 0.0, "set_active_loras": 0.0, "update_metadata": 0.0}
-        for k in range(rounds):
-            for kind in (("lora", "base") if k % 2 == 0 else ("base", "lora")):
-                llm.collective_rpc(_read_timers)  # reset
-                t0 = time.perf_counter()
-                llm.generate(prompts, params, lora_request=loras if kind == "lora" else None, use_tqdm=False)
-                times[kind].append(time.perf_counter() - t0)
-                if kind == "lora":
-                    for key, value in llm.collective_rpc(_read_timers)[0].items():
-                        worker_s[key] += value
-        result["rounds"] = times
-        result["worker_s"] = worker_s
+        result["timed"] = {w["name"]: _time_workload(llm, w, int(spec["rounds"]), ids, spec["adapters"])
+                           for w in spec["timed"]}
 
     errors: dict[str, Any] = {}
     for k, (name, path) in enumerate(sorted(spec.get("bad_adapters", {}).items())):

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-__all__ = ["AdapterSpec", "DEFAULT_ADAPTERS", "FAMILIES", "engine_env", "peft_tokens", "start_engine", "write_adapters",
+__all__ = ["ALL_LINEAR", "AdapterSpec", "DEFAULT_ADAPTERS", "FAMILIES", "engine_env", "peft_tokens", "start_engine", "write_adapters",
            "write_model", "write_tokenizer"]
 
 ENGINE_TIMEOUT_S = 900
