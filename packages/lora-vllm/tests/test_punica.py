@@ -229,3 +229,22 @@ def test_an_unknown_backend_name_is_one_line_naming_the_variable(monkeypatch):
     with pytest.raises(ValueError, match=rf"^{ENV_VAR}='no_such_backend' is not an installed lora-kit backend; "
                                          r"expected one of .*torch_native"):
         LoRAKitPunicaWrapper(MAX_TOKENS, 8, "cpu", lora_config=SimpleNamespace(max_lora_rank=8))
+
+
+def test_an_engine_that_compiles_or_captures_graphs_is_refused(monkeypatch):
+    """The wrapper builds eager batches: an engine that compiles (vLLM's CUDA default) is told to run eagerly."""
+    from vllm.config import CompilationMode, CUDAGraphMode
+
+    import lora_vllm.punica as punica
+
+    monkeypatch.setenv(ENV_VAR, "torch_native")
+    for mode, graphs in [(CompilationMode.VLLM_COMPILE, CUDAGraphMode.NONE), (CompilationMode.NONE, CUDAGraphMode.FULL)]:
+        config = SimpleNamespace(compilation_config=SimpleNamespace(mode=mode, cudagraph_mode=graphs))
+        monkeypatch.setattr(punica, "get_current_vllm_config_or_none", lambda: config)
+        with pytest.raises(ValueError, match=r"runs eager batches, but this engine compiles its model .* "
+                                             r"start vLLM with --enforce-eager"):
+            LoRAKitPunicaWrapper(MAX_TOKENS, 8, "cpu", lora_config=SimpleNamespace(max_lora_rank=8))
+    eager = SimpleNamespace(compilation_config=SimpleNamespace(mode=CompilationMode.NONE,
+                                                               cudagraph_mode=CUDAGraphMode.NONE))
+    monkeypatch.setattr(punica, "get_current_vllm_config_or_none", lambda: eager)
+    LoRAKitPunicaWrapper(MAX_TOKENS, 8, "cpu", lora_config=SimpleNamespace(max_lora_rank=8))

@@ -27,14 +27,15 @@ from typing import Any
 import numpy as np
 import torch
 from lora_core import LoRABackend, get_backend
+from vllm.config import CompilationMode, CUDAGraphMode, get_current_vllm_config_or_none
 from vllm.logger import logger
 from vllm.lora.punica_wrapper.punica_base import PunicaWrapperBase
 
 from .batches import RankedBatches
 from .mapping import StepMapping
-from .plugin import backend_name
+from .plugin import ENV_VAR, backend_name
 
-__all__ = ["LoRAKitPunicaWrapper"]
+__all__ = ["LoRAKitPunicaWrapper", "check_eager_engine"]
 
 
 def _slices(stacked: tuple[torch.Tensor, ...] | torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -42,6 +43,20 @@ def _slices(stacked: tuple[torch.Tensor, ...] | torch.Tensor) -> tuple[torch.Ten
     if isinstance(stacked, torch.Tensor):
         stacked = (stacked,)
     return tuple(w.squeeze(1) if w.dim() == 4 else w for w in stacked)
+
+
+def check_eager_engine() -> None:
+    """Refuse an engine that compiles its model or captures graphs: this wrapper builds eager
+    lora-kit batches every step (vLLM's CPU build never compiles a model with LoRA)."""
+    config = get_current_vllm_config_or_none()
+    if config is None:
+        return
+    compilation = config.compilation_config
+    if compilation.mode != CompilationMode.NONE or compilation.cudagraph_mode != CUDAGraphMode.NONE:
+        raise ValueError(
+            f"{ENV_VAR}: lora-kit's vLLM wrapper runs eager batches, but this engine compiles its model "
+            f"(compilation mode {compilation.mode.name}, CUDA graphs {compilation.cudagraph_mode.name}); "
+            f"start vLLM with --enforce-eager (LLM(enforce_eager=True)), or unset {ENV_VAR}")
 
 
 def _rows(batches: RankedBatches, t: torch.Tensor, name: str) -> int:
@@ -77,6 +92,7 @@ class LoRAKitPunicaWrapper(PunicaWrapperBase):
 
     def __init__(self, max_num_batched_tokens: int, max_batches: int, device: torch.device | str,
                  **kwargs: Any) -> None:
+        check_eager_engine()
         super().__init__(max_num_batched_tokens, max_batches, device)
         lora_config = kwargs.get("lora_config")
         self.backend_name = backend_name()
