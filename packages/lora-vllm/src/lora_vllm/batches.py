@@ -40,16 +40,18 @@ class RankedBatches:
         self.num_rows = 0
         self.any_adapter = False
 
-    def reset(self, slots: np.ndarray, occupied: Sequence[bool], rank: int) -> None:
+    def reset(self, slots: np.ndarray, occupied: Sequence[bool], rank: int | None) -> None:
         """Describe a new step: ``slots (rows,)`` int (``-1`` = no adapter), ``occupied[s]``
-        whether slot ``s`` holds an adapter; prepares the batch for buffers of rank ``rank``."""
+        whether slot ``s`` holds an adapter; prepares the batch for buffers of rank ``rank`` now
+        (``None``: every rank at first use)."""
         seg_lens, seg_slots = run_lengths(slots)
         self._seg_lens, self._seg_slots = seg_lens.tolist(), seg_slots.tolist()
         self._occupied = tuple(bool(o) for o in occupied)
         self.num_rows = int(slots.size)
         self.any_adapter = bool((seg_slots >= 0).any())
         self._prepared.clear()
-        self.backend(rank)
+        if rank is not None:
+            self.backend(rank)
 
     def backend(self, rank: int) -> LoRABackend:
         """The backend prepared with this step's batch for buffers of rank ``rank``."""

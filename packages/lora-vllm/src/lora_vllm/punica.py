@@ -121,9 +121,8 @@ class LoRAKitPunicaWrapper(PunicaWrapperBase):
         self.no_lora = not bool((step.token_slots >= 0).any())
 
         occupied = [lora_id is not None for lora_id in lora_index_to_id]
-        rank = self.max_lora_rank or 1
-        self._tokens.reset(step.token_slots, occupied, rank)
-        self._sampled.reset(step.row_slots, occupied, rank)
+        self._tokens.reset(step.token_slots, occupied, self.max_lora_rank)
+        self._sampled.reset(step.row_slots, occupied, self.max_lora_rank)
 
     # ---------------------------------------------------------------- LoRA math
     def add_shrink(self, y: tuple[torch.Tensor, ...] | torch.Tensor, x: torch.Tensor,
