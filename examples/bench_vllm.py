@@ -18,7 +18,7 @@ rounds. Beside it: the share of the worker's ``execute_model`` time spent in vLL
 LoRA bookkeeping (``set_active_loras``, which includes the wrapper's ``update_metadata``).
 Targets (issue #39): the plugin's overhead at most 1/10 of vLLM's own at prefill and at most
 1/3 at decode. Run it on a quiet machine: the 1-minute load average is printed before and
-after, and a load above 1 is flagged.
+after (after, it includes the engines' own threads), and a load above 1 before is flagged.
 """
 
 from __future__ import annotations
@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"machine: {report['machine']['processor']} ({report['machine']['cpus']} CPUs), Python "
           f"{report['machine']['python']}; load average {load_before:.2f} before, {load_after:.2f} after"
-          + ("  (LOADED: figures unreliable)" if max(load_before, load_after) > 1 else ""))
+          + ("  (LOADED before the run: figures unreliable)" if load_before > 1 else ""))
     print(f"model: Llama hidden {sizes['hidden_size']}, {sizes['num_hidden_layers']} layers, vocabulary "
           f"{sizes['vocab_size']}; 4 all-linear adapters r 8-32; {rounds} interleaved rounds")
     print("| LoRA path | workload | LoRA overhead median (min–max) | target | bookkeeping share |")

@@ -248,3 +248,72 @@ def test_an_engine_that_compiles_or_captures_graphs_is_refused(monkeypatch):
                                                                cudagraph_mode=CUDAGraphMode.NONE))
     monkeypatch.setattr(punica, "get_current_vllm_config_or_none", lambda: eager)
     LoRAKitPunicaWrapper(MAX_TOKENS, 8, "cpu", lora_config=SimpleNamespace(max_lora_rank=8))
+
+
+def _experts_reference(x, ids, a, b, token_slots):
+    """``out[t, k] = b[slot_t, e] @ a[slot_t, e] @ x[t, k]`` (0 where ``slot_t == -1``), ``e = ids[t, k]``."""
+    out = torch.zeros(*ids.shape, b.shape[2])
+    for t, slot in enumerate(token_slots):
+        for k, e in enumerate(ids[t].tolist()):
+            if slot >= 0:
+                out[t, k] = b[slot, e] @ (a[slot, e] @ x[t, k])
+    return out
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_experts_lora_w13_then_w2_against_the_math(monkeypatch, backend):
+    """vLLM's experts call add_lora_w13 on each token's input for its top-k experts (two slices: gate, up),
+    then add_lora_w2 on each choice's activation, weighted by the router. On vLLM's CPU build no experts
+    class calls them (docs/vllm.md, "Mixture of experts"): this is the math alone."""
+    gen = torch.Generator().manual_seed(5)
+    L, E, R, H, inter, K = 3, 4, 8, 16, 12, 2
+    lora_index_to_id = [100, None, 102]
+    mapping = LoRAMapping([100] * 3 + [0] * 2 + [102] * 4, [100, 0, 102], is_prefill=True)
+    _, ours = _wrappers(monkeypatch, backend, R)
+    _update((ours,), mapping, lora_index_to_id)
+    token_slots = ours.token_lora_indices.tolist()
+    T = len(token_slots)
+
+    def stacked(rows, cols, rank_dim):  # (L, E, rows, cols), zero beyond rank 5 and in the empty slot
+        w = torch.randn(L, E, rows, cols, generator=gen)
+        if rank_dim == 2:
+            w[:, :, 5:] = 0
+        else:
+            w[:, :, :, 5:] = 0
+        w[1] = 0
+        return w
+
+    x = torch.randn(T, H, generator=gen)
+    topk_ids = torch.randint(0, E, (T, K), generator=gen)
+    topk_weights = torch.rand(T, K, generator=gen)
+    a13 = (stacked(R, H, 2), stacked(R, H, 2))
+    b13 = (stacked(inter, R, 3), stacked(inter, R, 3))
+    y13 = torch.randn(T, K, 2 * inter, generator=gen)
+    expected = y13.clone()
+    for i in range(2):
+        expected[..., i * inter:(i + 1) * inter] += _experts_reference(
+            x[:, None].expand(T, K, H), topk_ids, a13[i], b13[i], token_slots)
+    got = y13.clone()
+    result = ours.add_lora_w13(got, x, a13, b13, topk_ids, topk_weights, None, None, None, T, K, L, None, E, K, 2,
+                               False, False)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert result[1].tolist() == topk_ids.reshape(-1).tolist() and result[0] is result[2] is result[3] is None
+
+    act = torch.randn(T * K, inter, generator=gen)
+    a2, b2 = stacked(R, inter, 2), stacked(H, R, 3)
+    y2 = torch.randn(T, K, H, generator=gen)
+    expected = y2 + topk_weights[..., None] * _experts_reference(act.view(T, K, inter), topk_ids, a2, b2, token_slots)
+    got = y2.clone()
+    ours.add_lora_w2(got, act, (a2,), (b2,), topk_weights, None, result[1], None, None, T, None, None, K, L, None, K,
+                     False, 0, False)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_experts_lora_refuses_expert_parallelism_and_sharding(monkeypatch):
+    _, ours = _wrappers(monkeypatch, "torch_native", 4)
+    _update((ours,), LoRAMapping([100], [100], is_prefill=True), [100])
+    args = (torch.zeros(1, 1, 4), torch.zeros(1, 4), (torch.zeros(1, 2, 4, 4),), (torch.zeros(1, 2, 4, 4),),
+            torch.zeros(1, 1, dtype=torch.long), torch.ones(1, 1))
+    with pytest.raises(NotImplementedError, match=r"without expert_map \(expert parallelism\), fully_sharded_loras; "
+                                                  rf"unset {ENV_VAR}"):
+        ours.add_lora_w13(*args, torch.zeros(2, dtype=torch.int32), None, None, 1, 1, 1, None, 2, 1, 1, True, False)

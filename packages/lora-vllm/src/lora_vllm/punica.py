@@ -67,6 +67,18 @@ def _rows(batches: RankedBatches, t: torch.Tensor, name: str) -> int:
     return n
 
 
+def _check_experts_call(expert_map: torch.Tensor | None, fully_sharded: bool,
+                        token_lora_mapping: torch.Tensor | None) -> None:
+    """The experts' LoRA here covers every expert on one process, with whole (not sharded) buffers."""
+    unsupported = [name for name, used in (("expert_map (expert parallelism)", expert_map is not None),
+                                            ("fully_sharded_loras", fully_sharded),
+                                            ("token_lora_mapping (expert-parallel dispatch)",
+                                             token_lora_mapping is not None)) if used]
+    if unsupported:
+        raise NotImplementedError(f"lora-kit's vLLM wrapper runs experts' LoRA without {', '.join(unsupported)}; "
+                                  f"unset {ENV_VAR} to use vLLM's own wrapper for this engine")
+
+
 def _expand_into(backend: LoRABackend, y: torch.Tensor, x: torch.Tensor, b: torch.Tensor,
                  add_inputs: bool) -> None:
     """``y (T, out) (+)= x (T, R) @ b[slot_t] (L, out, R)``; ``y`` may be a strided view."""
@@ -211,3 +223,60 @@ class LoRAKitPunicaWrapper(PunicaWrapperBase):
         adapter_y = self._sampled.backend(w.shape[1]).run_lora_a(x[:n].to(w.dtype), w)
         y[:n].copy_(self._select_full_linear_output(y[:n], adapter_y, bias_stacked, module_enabled))
         return y
+
+    # ------------------------------------------------------------ MoE experts
+    def add_lora_w13(self, y: torch.Tensor, x: torch.Tensor, lora_a_stacked: tuple[torch.Tensor, ...],
+                     lora_b_stacked: tuple[torch.Tensor, ...], topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                     expert_map: torch.Tensor | None, w1: torch.Tensor, w2: torch.Tensor, num_tokens: int,
+                     top_k_num: int, max_loras: int, adapter_enabled: torch.Tensor, local_num_experts: int,
+                     top_k: int, num_slices: int, fully_sharded: bool, use_tuned_config: bool,
+                     add_inputs: bool = True, token_lora_mapping: torch.Tensor | None = None) -> tuple:
+        """The experts' gate/up LoRA, before the activation: for token ``t``'s ``k``-th choice
+        ``e = topk_ids[t, k]`` and slice ``i`` (``lora_a[i] (L, E, R, H)``, ``lora_b[i] (L, E, I_i, R)``)::
+
+            y[t, k, o_i : o_i + I_i] (+)= lora_b[i][slot_t, e] @ lora_a[i][slot_t, e] @ x[t]
+
+        with ``y (T, K, sum I_i)`` and ``x (T, H)``. Returns what vLLM passes on to
+        :meth:`add_lora_w2`: ``(None, expert_ids, None, None)``, the expert of each ``(t, k)``
+        flattened (vLLM's "naive block assignment" form)."""
+        _check_experts_call(expert_map, fully_sharded, token_lora_mapping)
+        y3 = y.view(num_tokens, top_k_num, -1)
+        ids = topk_ids.view(num_tokens, top_k_num)
+        if not add_inputs:
+            y3.zero_()
+        if self._tokens.any_adapter:
+            n = _rows(self._tokens, x, "x")
+            offset = 0
+            for a, b in zip(lora_a_stacked, lora_b_stacked):
+                xk = x[:n].to(a.dtype).unsqueeze(1).expand(n, top_k_num, x.shape[-1])
+                delta = self._tokens.backend(a.shape[2]).run_experts_lora(xk, ids[:n], a, b)
+                y3[:n, :, offset: offset + b.shape[2]] += delta
+                offset += b.shape[2]
+        return None, ids.reshape(-1), None, None
+
+    def add_lora_w2(self, y: torch.Tensor, x: torch.Tensor, lora_a_stacked: tuple[torch.Tensor, ...],
+                    lora_b_stacked: tuple[torch.Tensor, ...], topk_weights: torch.Tensor,
+                    sorted_token_ids_lora: torch.Tensor | None, expert_ids_lora: torch.Tensor | None,
+                    num_tokens_post_padded_lora: torch.Tensor | None, token_lora_mapping: torch.Tensor | None,
+                    num_tokens: int, w1: torch.Tensor, w2: torch.Tensor, top_k_num: int, max_loras: int,
+                    adapter_enabled: torch.Tensor, top_k: int, fully_sharded: bool, tp_rank: int,
+                    use_tuned_config: bool, add_inputs: bool = True) -> None:
+        """The experts' down LoRA, before the sum over the choices, weighted by the router::
+
+            y[t, k] (+)= topk_weights[t, k] * lora_b[slot_t, e] @ lora_a[slot_t, e] @ x[t * K + k]
+
+        with ``e = expert_ids_lora[t * K + k]`` (from :meth:`add_lora_w13`), ``y (T, K, H)``,
+        ``x (T * K, I)``, ``lora_a[0] (L, E, R, I)``, ``lora_b[0] (L, E, H, R)``."""
+        _check_experts_call(None, fully_sharded, token_lora_mapping)
+        y3 = y.view(num_tokens, top_k_num, -1)
+        if not add_inputs:
+            y3.zero_()
+        if not self._tokens.any_adapter:
+            return
+        (a,), (b,) = lora_a_stacked, lora_b_stacked
+        n = _rows(self._tokens, y3, "y")
+        xk = x.view(num_tokens, top_k_num, -1)[:n].to(a.dtype)
+        ids = expert_ids_lora.view(num_tokens, top_k_num)[:n]
+        delta = self._tokens.backend(a.shape[2]).run_experts_lora(xk, ids, a, b)
+        y3[:n] += delta * topk_weights.view(num_tokens, top_k_num, 1)[:n].to(delta.dtype)
+
