@@ -26,14 +26,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
-import statistics
 import sys
 import tempfile
 import time
+from dataclasses import asdict
 from pathlib import Path
 
+from lora_core.testing.timing import Spread, format_spread, machine_info
 from lora_vllm.testing import ALL_LINEAR, AdapterSpec, start_engine, write_adapters, write_model
 
 WORKLOADS = {"prefill": (8, 256, 1), "decode": (32, 8, 32)}  # requests, prompt tokens, output tokens
@@ -48,13 +48,13 @@ def _requests(adapters: list[str], count: int, prompt_len: int, vocab: int, rng:
              "adapter": None if i % 5 == 4 else adapters[i % len(adapters)]} for i in range(count)]
 
 
-def _overhead(lora: list[float], base: list[float]) -> dict[str, float]:
-    ratios = sorted(a / b - 1 for a, b in zip(lora, base))
-    return {"median": statistics.median(ratios), "min": ratios[0], "max": ratios[-1]}
+def _overhead(lora: list[float], base: list[float]) -> Spread:
+    """``lora / base - 1`` per round (the two were timed in the same round)."""
+    return Spread.of([a / b - 1 for a, b in zip(lora, base)])
 
 
 def _pct(x: float) -> str:
-    return f"{x * 100:+.0f}%"
+    return f"{x:+.0%}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -104,14 +104,13 @@ def main(argv: list[str] | None = None) -> int:
                   f"(engine start {results[path]['start_s']:.0f} s)", file=log)
         load_after = os.getloadavg()[0]
 
-    report = {"machine": {"processor": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
-                          "python": platform.python_version(), "load_before": load_before, "load_after": load_after},
+    report = {"machine": {**machine_info(), "load_before": load_before, "load_after": load_after},
               "model": sizes, "engine": engine, "rounds": rounds, "paths": {}}
     for path, result in results.items():
         entry = report["paths"][path] = {"wrapper": result["wrapper"], "start_s": result["start_s"]}
         for name, t in result["timed"].items():
             w = t["worker_s"]
-            entry[name] = {"overhead": _overhead(t["lora"], t["base"]), "lora_s": t["lora"], "base_s": t["base"],
+            entry[name] = {"overhead": asdict(_overhead(t["lora"], t["base"])), "lora_s": t["lora"], "base_s": t["base"],
                            "bookkeeping_share": w["set_active_loras"] / w["execute_model"],
                            "update_metadata_share": w["update_metadata"] / w["execute_model"]}
     for backend in backends:
@@ -120,8 +119,9 @@ def main(argv: list[str] | None = None) -> int:
             theirs = report["paths"]["vllm"][name]["overhead"]["median"]
             report["paths"][backend][name]["target"] = {"at_most": target * theirs, "met": ours <= target * theirs}
 
-    print(f"machine: {report['machine']['processor']} ({report['machine']['cpus']} CPUs), Python "
-          f"{report['machine']['python']}; load average {load_before:.2f} before, {load_after:.2f} after"
+    machine = report["machine"]
+    print(f"machine: {machine['cpu']} ({machine['cpu_count']} CPUs), torch {machine['torch']}, Python "
+          f"{machine['python']}; load average {load_before:.2f} before, {load_after:.2f} after"
           + ("  (LOADED before the run: figures unreliable)" if load_before > 1 else ""))
     print(f"model: Llama hidden {sizes['hidden_size']}, {sizes['num_hidden_layers']} layers, vocabulary "
           f"{sizes['vocab_size']}; 4 all-linear adapters r 8-32; {rounds} interleaved rounds")
@@ -130,11 +130,10 @@ def main(argv: list[str] | None = None) -> int:
     for path, entry in report["paths"].items():
         for name in WORKLOADS:
             e = entry[name]
-            o = e["overhead"]
             target = e.get("target")
             met = "" if target is None else f"≤ {_pct(target['at_most'])}: {'met' if target['met'] else 'NOT met'}"
             label = "vLLM's own" if path == "vllm" else f"lora-kit {path}"
-            print(f"| {label} | {name} | {_pct(o['median'])} ({_pct(o['min'])}–{_pct(o['max'])}) | {met} | "
+            print(f"| {label} | {name} | {format_spread(Spread(**e['overhead']), '{:+.0%}')} | {met} | "
                   f"{e['bookkeeping_share'] * 100:.1f}% |")
     if args.json:
         text = json.dumps(report, indent=1)
