@@ -18,6 +18,8 @@ if [ "${1:-}" = "--dist" ]; then
   PYTHON=${PYTHON:-python3}
   bash ci/install-wheels.sh --dist "$2" "lora-vllm[test]" -r ci/vllm-requirements.txt
   "$PYTHON" -m pip uninstall -q -y "${MISMATCHED[@]}"
+  "$PYTHON" -c 'import transformers, vllm' || {
+    echo "ci/install-vllm.sh: vllm or transformers does not import in $PYTHON (see above)" >&2; exit 1; }
   exit 0
 fi
 [ $# -eq 0 ] || { echo "usage: bash ci/install-vllm.sh [--dist DIR]" >&2; exit 2; }

@@ -4,7 +4,7 @@
 #   bash ci/install-wheels.sh [--dist DIR] REQUIREMENT... [PIP ARGUMENTS]
 #   e.g.  bash ci/install-wheels.sh lora-layers
 #         bash ci/install-wheels.sh --dist /tmp/dist 'lora-cuda[test]' -r tests/requirements.txt
-# Our four names come only from DIR (default dist/): DIR/constraints.txt pins each one to its
+# Our names (ci/packages.txt) come only from DIR (default dist/): DIR/constraints.txt pins each one to its
 # wheel file, so pip never asks an index for them. Everything else (torch, numpy, safetensors,
 # pytest, ...) comes from pip's own configuration, with torch pinned by ci/constraints.txt;
 # TORCH_INDEX_URL=URL installs torch from that index instead (see README, "Choosing the torch build").

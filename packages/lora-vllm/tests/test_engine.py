@@ -24,7 +24,8 @@ LOGPROB_RTOL = 1e-4  # of max(1, |logprob|)
 
 
 def _lora_kit_frames(log: str) -> list[str]:
-    return [line for line in log.splitlines() if re.search(r'File ".*/(lora_core|lora_cuda|lora_ascend|lora_vllm)/', line)]
+    frame = re.compile(r'File ".*/(lora_core|lora_cuda|lora_ascend|lora_vllm)/')
+    return [line for line in log.splitlines() if frame.search(line)]
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])

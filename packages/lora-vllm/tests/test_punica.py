@@ -238,7 +238,8 @@ def test_an_engine_that_compiles_or_captures_graphs_is_refused(monkeypatch):
     import lora_vllm.punica as punica
 
     monkeypatch.setenv(ENV_VAR, "torch_native")
-    for mode, graphs in [(CompilationMode.VLLM_COMPILE, CUDAGraphMode.NONE), (CompilationMode.NONE, CUDAGraphMode.FULL)]:
+    compiling = [(CompilationMode.VLLM_COMPILE, CUDAGraphMode.NONE), (CompilationMode.NONE, CUDAGraphMode.FULL)]
+    for mode, graphs in compiling:
         config = SimpleNamespace(compilation_config=SimpleNamespace(mode=mode, cudagraph_mode=graphs))
         monkeypatch.setattr(punica, "get_current_vllm_config_or_none", lambda: config)
         with pytest.raises(ValueError, match=r"runs eager batches, but this engine compiles its model .* "
@@ -317,3 +318,63 @@ def test_experts_lora_refuses_expert_parallelism_and_sharding(monkeypatch):
     with pytest.raises(NotImplementedError, match=r"without expert_map \(expert parallelism\), fully_sharded_loras; "
                                                   rf"unset {ENV_VAR}"):
         ours.add_lora_w13(*args, torch.zeros(2, dtype=torch.int32), None, None, 1, 1, 1, None, 2, 1, 1, True, False)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_prompt_logprobs_rows_get_the_one_requests_lm_head_adapter(monkeypatch, backend):
+    """For prompt log-probabilities vLLM sends every prompt position of a request through the LM head
+    while the step maps one sampled row: that row's adapter applies to all of them (vLLM's ops broadcast it)."""
+    gen = torch.Generator().manual_seed(8)
+    lora_index_to_id = [100, 101, None]
+    theirs, ours = _wrappers(monkeypatch, backend, 8)
+    _update((theirs, ours), LoRAMapping([101] * 7, [101], is_prefill=True), lora_index_to_id)
+    a = _stacked(3, 8, 16, 2, lora_index_to_id, [8, 3, 0], gen)
+    b = _stacked(3, 40, 8, 3, lora_index_to_id, [8, 3, 0], gen)
+    x, y0 = torch.randn(7, 16, generator=gen), torch.randn(7, 40, generator=gen)
+    expected, got = y0.clone(), y0.clone()
+    theirs.add_lora_logits(expected, x, a, b, 1.0)
+    ours.add_lora_logits(got, x, a, b, 1.0)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(got[6], y0[6])
+    _update((ours,), LoRAMapping([101] * 4 + [100] * 3, [101, 100], is_prefill=True), lora_index_to_id)
+    with pytest.raises(ValueError, match="7 rows reached the LM head but the step maps 2 sampled rows"):
+        ours.add_lora_logits(y0.clone(), x, a, b, 1.0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bfloat16_linear_is_within_bfloat16_rounding_of_vllm(monkeypatch, backend):
+    """A bf16 model: vLLM's CPU ops keep the shrink in a float32 buffer, lora-kit's in bf16, so the two differ
+    by bf16 rounding of the shrunk values, relative to the delta's magnitude."""
+    rng, gen = random.Random(2), torch.Generator().manual_seed(2)
+    num_slots, R = 3, 16
+    mapping, lora_index_to_id = _step(rng, num_slots)
+    ranks = [16, 4, 9]
+    theirs, ours = _wrappers(monkeypatch, backend, R)
+    _update((theirs, ours), mapping, lora_index_to_id)
+    T, slices = len(mapping.index_mapping), (32, 16, 16)
+    a = tuple(_stacked(num_slots, R, 64, 2, lora_index_to_id, ranks, gen, torch.bfloat16) for _ in slices)
+    b = tuple(_stacked(num_slots, n, R, 3, lora_index_to_id, ranks, gen, torch.bfloat16) for n in slices)
+    x = torch.randn(T, 64, generator=gen).bfloat16()
+    y0 = torch.zeros(T, sum(slices), dtype=torch.bfloat16)
+    expected, got = y0.clone(), y0.clone()
+    theirs.add_lora_linear(expected, x, a, b, 1.0, slices)
+    ours.add_lora_linear(got, x, a, b, 1.0, slices)
+    scale = expected.float().abs().max()
+    assert (got.float() - expected.float()).abs().max() <= 2e-2 * scale
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_expand_without_add_inputs_writes_the_delta(monkeypatch, backend):
+    """``add_inputs=False``: the output's columns become the delta (zero for rows without an adapter)."""
+    rng, gen = random.Random(4), torch.Generator().manual_seed(4)
+    mapping, lora_index_to_id = _step(rng, 3)
+    theirs, ours = _wrappers(monkeypatch, backend, 8)
+    _update((theirs, ours), mapping, lora_index_to_id)
+    T = len(mapping.index_mapping)
+    b = (_stacked(3, 10, 8, 3, lora_index_to_id, [8, 8, 8], gen),)
+    shrunk = torch.randn(1, T, 8, generator=gen)
+    y0 = torch.randn(T, 14, generator=gen)
+    expected, got = y0.clone(), y0.clone()
+    theirs.add_expand(expected, shrunk, b, (10,), offset_start=2, add_inputs=False)
+    ours.add_expand(got, shrunk, b, (10,), offset_start=2, add_inputs=False)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)

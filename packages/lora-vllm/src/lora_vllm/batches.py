@@ -34,6 +34,7 @@ class RankedBatches:
         self.device = device
         self._backends: dict[int, LoRABackend] = {}
         self._prepared: set[int] = set()
+        self._spread: dict[tuple[int, int], LoRABackend] = {}
         self._seg_lens: list[int] = []
         self._seg_slots: list[int] = []
         self._occupied: tuple[bool, ...] = ()
@@ -50,6 +51,7 @@ class RankedBatches:
         self.num_rows = int(slots.size)
         self.any_adapter = bool((seg_slots >= 0).any())
         self._prepared.clear()
+        self._spread.clear()
         if rank is not None:
             self.backend(rank)
 
@@ -59,9 +61,28 @@ class RankedBatches:
         if backend is None:
             backend = self._backends[rank] = self._make_backend()
         if rank not in self._prepared:
-            num_slots = len(self._occupied)
-            info = build_batch_info(self._seg_lens, self._seg_slots, [rank if o else 0 for o in self._occupied],
-                                    [1.0] * num_slots, device=self.device, max_rank=rank)
-            backend.prepare_batch(info)
+            self._prepare(backend, self._seg_lens, self._seg_slots, rank)
             self._prepared.add(rank)
         return backend
+
+    def backend_for_rows(self, num_rows: int, rank: int) -> LoRABackend:
+        """:meth:`backend` for ``num_rows`` rows: the step's own, or, when the step has one row and
+        ``num_rows`` are given (vLLM's prompt log-probabilities: every prompt position of the one
+        request goes through the LM head), that row's slot for each of them, as vLLM's own ops
+        broadcast it. Any other count is a ``ValueError``."""
+        if num_rows == self.num_rows:
+            return self.backend(rank)
+        if self.num_rows != 1:
+            raise ValueError(f"{num_rows} rows reached the LM head but the step maps {self.num_rows} sampled rows")
+        backend = self._spread.get((num_rows, rank))
+        if backend is None:
+            backend = self._spread[(num_rows, rank)] = self._make_backend()
+            self._prepare(backend, [num_rows], self._seg_slots, rank)
+        return backend
+
+    def _prepare(self, backend: LoRABackend, seg_lens: list[int], seg_slots: list[int], rank: int) -> None:
+        """Prepare ``backend`` with the batch of these segments, every occupied slot at rank ``rank``, scaling 1."""
+        info = build_batch_info(seg_lens, seg_slots, [rank if o else 0 for o in self._occupied],
+                                [1.0] * len(self._occupied), device=self.device, max_rank=rank)
+        backend.prepare_batch(info)
+

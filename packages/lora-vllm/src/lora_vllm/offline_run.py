@@ -1,4 +1,5 @@
-"""Run one offline vLLM engine on a JSON spec and write what it generated (and timed) as JSON.
+"""Run one offline vLLM engine on a JSON spec and write what it generated (and timed) as JSON:
+the engine process of the plugin's tests and of examples/bench_vllm.py, not part of the plugin.
 
     python -m lora_vllm.offline_run RUN.json OUT.json
 

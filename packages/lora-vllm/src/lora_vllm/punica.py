@@ -59,6 +59,12 @@ def check_eager_engine() -> None:
             f"start vLLM with --enforce-eager (LLM(enforce_eager=True)), or unset {ENV_VAR}")
 
 
+def _check_slice_counts(num_a: int, num_b: int, output_slices: tuple[int, ...]) -> None:
+    if not num_a == num_b == len(output_slices):
+        raise ValueError(f"{num_a} lora_a slices (or shrunk inputs), {num_b} lora_b slices and "
+                         f"{len(output_slices)} output_slices: they must be as many")
+
+
 def _rows(batches: RankedBatches, t: torch.Tensor, name: str) -> int:
     """The step's row count; ``t`` may hold more rows (padding), never fewer."""
     n = batches.num_rows
@@ -144,8 +150,10 @@ class LoRAKitPunicaWrapper(PunicaWrapperBase):
         if not self._tokens.any_adapter:
             return y
         n = _rows(self._tokens, x, "x")
-        for i, a in enumerate(_slices(lora_a_stacked)):
-            shrunk = self._tokens.backend(a.shape[1]).run_lora_a(x[:n].to(a.dtype), a)
+        a_slices = _slices(lora_a_stacked)
+        x = x[:n].to(a_slices[0].dtype)
+        for i, a in enumerate(a_slices):
+            shrunk = self._tokens.backend(a.shape[1]).run_lora_a(x, a)
             out = y[i].view(-1, y[i].shape[-1])[:n]
             out.add_(shrunk if scale == 1.0 else shrunk * scale)
         return y
@@ -155,13 +163,15 @@ class LoRAKitPunicaWrapper(PunicaWrapperBase):
                    add_inputs: bool = True, **kwargs: Any) -> Any:
         """``y[:, o_i : o_i + out_i] += x[i] @ lora_b[slot_t, i].T``, ``o_0 = offset_start``."""
         y2 = y.view(-1, y.shape[-1])
+        b_slices = _slices(lora_b_stacked)
+        _check_slice_counts(len(x), len(b_slices), output_slices)
         if not self._tokens.any_adapter:
             if not add_inputs:
                 y2[:, offset_start: offset_start + sum(output_slices)].zero_()
             return y
         n = _rows(self._tokens, y2, "y")
         offset = offset_start
-        for i, (b, size) in enumerate(zip(_slices(lora_b_stacked), output_slices)):
+        for i, (b, size) in enumerate(zip(b_slices, output_slices)):
             _expand_into(self._tokens.backend(b.shape[2]), y2[:n, offset: offset + size], x[i][:n], b, add_inputs)
             offset += size
         return y
@@ -169,28 +179,32 @@ class LoRAKitPunicaWrapper(PunicaWrapperBase):
     def add_lora_embedding(self, y: torch.Tensor, x: torch.Tensor, lora_b_stacked: torch.Tensor,
                            add_inputs: bool = True, **kwargs: Any) -> Any:
         """The embedding's expand: ``y += x @ lora_b[slot_t].T`` (its shrink is vLLM's gather)."""
-        if self._tokens.any_adapter:
-            (b,) = _slices(lora_b_stacked)
-            n = _rows(self._tokens, y, "y")
-            _expand_into(self._tokens.backend(b.shape[2]), y[:n], x[:n], b, add_inputs)
+        if not self._tokens.any_adapter:
+            if not add_inputs:
+                y.zero_()
+            return y
+        (b,) = _slices(lora_b_stacked)
+        n = _rows(self._tokens, y, "y")
+        _expand_into(self._tokens.backend(b.shape[2]), y[:n], x[:n], b, add_inputs)
         return y
 
     def add_lora_linear(self, y: torch.Tensor, x: torch.Tensor, lora_a_stacked: tuple[torch.Tensor, ...],
                         lora_b_stacked: tuple[torch.Tensor, ...], scale: float, output_slices: tuple[int, ...], *,
                         buffer: tuple[torch.Tensor, ...] | None = None, **kwargs: Any) -> Any:
         """``y[:, o_i : o_i + out_i] += scale * x @ lora_a[slot_t, i].T @ lora_b[slot_t, i].T`` per slice."""
-        if not self._tokens.any_adapter:
-            return y
-        n = _rows(self._tokens, x, "x")
         add_inputs = kwargs.get("add_inputs", True)
         a_slices, b_slices = _slices(lora_a_stacked), _slices(lora_b_stacked)
-        if not len(a_slices) == len(b_slices) == len(output_slices):
-            raise ValueError(f"{len(a_slices)} lora_a slices, {len(b_slices)} lora_b slices and "
-                             f"{len(output_slices)} output_slices: they must be as many")
+        _check_slice_counts(len(a_slices), len(b_slices), output_slices)
+        if not self._tokens.any_adapter:
+            if not add_inputs:
+                y[:, : sum(output_slices)].zero_()
+            return y
+        n = _rows(self._tokens, x, "x")
+        x = x[:n].to(a_slices[0].dtype)  # the LoRA math runs in vLLM's lora_dtype (by default the model's)
         offset = 0
         for a, b, size in zip(a_slices, b_slices, output_slices):
             backend = self._tokens.backend(a.shape[1])
-            shrunk = backend.run_lora_a(x[:n].to(a.dtype), a)
+            shrunk = backend.run_lora_a(x, a)
             if scale != 1.0:
                 shrunk = shrunk * scale
             _expand_into(backend, y[:n, offset: offset + size], shrunk, b, add_inputs)
@@ -205,9 +219,9 @@ class LoRAKitPunicaWrapper(PunicaWrapperBase):
             return y
         (a,), (b,) = _slices(lora_a_stacked), _slices(lora_b_stacked)
         y2, x2 = y.view(-1, y.shape[-1]), x.view(-1, x.shape[-1])
-        n = _rows(self._sampled, x2, "x")
-        backend = self._sampled.backend(a.shape[1])
-        shrunk = backend.run_lora_a(x2[:n].to(a.dtype), a)
+        n = x2.shape[0]
+        backend = self._sampled.backend_for_rows(n, a.shape[1])
+        shrunk = backend.run_lora_a(x2.to(a.dtype), a)
         if scale != 1.0:
             shrunk = shrunk * scale
         width = min(b.shape[1], y2.shape[1])  # the model's logits may be padded past the adapter's vocabulary
@@ -230,7 +244,8 @@ class LoRAKitPunicaWrapper(PunicaWrapperBase):
                      expert_map: torch.Tensor | None, w1: torch.Tensor, w2: torch.Tensor, num_tokens: int,
                      top_k_num: int, max_loras: int, adapter_enabled: torch.Tensor, local_num_experts: int,
                      top_k: int, num_slices: int, fully_sharded: bool, use_tuned_config: bool,
-                     add_inputs: bool = True, token_lora_mapping: torch.Tensor | None = None) -> tuple:
+                     add_inputs: bool = True, token_lora_mapping: torch.Tensor | None = None,
+                     ) -> tuple[None, torch.Tensor, None, None]:
         """The experts' gate/up LoRA, before the activation: for token ``t``'s ``k``-th choice
         ``e = topk_ids[t, k]`` and slice ``i`` (``lora_a[i] (L, E, R, H)``, ``lora_b[i] (L, E, I_i, R)``)::
 
@@ -248,7 +263,7 @@ class LoRAKitPunicaWrapper(PunicaWrapperBase):
             n = _rows(self._tokens, x, "x")
             offset = 0
             for a, b in zip(lora_a_stacked, lora_b_stacked):
-                xk = x[:n].to(a.dtype).unsqueeze(1).expand(n, top_k_num, x.shape[-1])
+                xk = x[:n].to(a.dtype).unsqueeze(1).expand(n, top_k_num, x.shape[-1])  # a view per choice
                 delta = self._tokens.backend(a.shape[2]).run_experts_lora(xk, ids[:n], a, b)
                 y3[:n, :, offset: offset + b.shape[2]] += delta
                 offset += b.shape[2]

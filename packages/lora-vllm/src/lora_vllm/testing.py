@@ -1,5 +1,7 @@
 """Tiny models, PEFT adapters and a tokenizer written to a directory, for tests and benchmarks
-that start a real vLLM engine without downloading anything.
+that start a real vLLM engine without downloading anything; and the engine runner they use
+(:func:`start_engine`, over :mod:`lora_vllm.offline_run`). Test and benchmark tools, not part
+of the plugin: nothing the plugin runs in vLLM imports them.
 
 Needs ``transformers`` and ``peft`` (and ``tokenizers`` for :func:`write_tokenizer`), which
 a vLLM environment has; imported only when called.
@@ -15,8 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-__all__ = ["ALL_LINEAR", "AdapterSpec", "DEFAULT_ADAPTERS", "FAMILIES", "engine_env", "peft_tokens", "start_engine", "write_adapters",
-           "write_model", "write_tokenizer"]
+__all__ = ["ALL_LINEAR", "AdapterSpec", "DEFAULT_ADAPTERS", "FAMILIES", "engine_env", "peft_tokens", "start_engine",
+           "write_adapters", "write_model", "write_tokenizer"]
 
 ENGINE_TIMEOUT_S = 900
 
@@ -132,7 +134,8 @@ def start_engine(spec: dict[str, Any], backend: str | None, workdir: Path, tag: 
     spec_path, out_path, log_path = (workdir / f"{tag}.{ext}" for ext in ("spec.json", "out.json", "log"))
     spec_path.write_text(json.dumps(spec))
     log = open(log_path, "w")
-    proc = subprocess.Popen([sys.executable, "-m", "lora_vllm.offline_run", str(spec_path), str(out_path)], env=engine_env(backend),
+    command = [sys.executable, "-m", "lora_vllm.offline_run", str(spec_path), str(out_path)]
+    proc = subprocess.Popen(command, env=engine_env(backend),
                             stdout=log, stderr=subprocess.STDOUT, cwd=workdir)
 
     def wait() -> dict[str, Any]:
