@@ -171,11 +171,15 @@ def _control_layout(info) -> str:
 @pytest.mark.parametrize("kernel", ["auto", "grouped", "blocked"])
 @pytest.mark.parametrize("layout", EXPAND_LAYOUTS)
 @pytest.mark.parametrize("mode", ["eager", "graph"])
-def test_expand_reads_nothing_beyond_each_slots_rank_in_any_slice(device, backend_name, kernel, layout, mode):
+@pytest.mark.parametrize("into", ["new", "column view"])
+def test_expand_reads_nothing_beyond_each_slots_rank_in_any_slice(device, backend_name, kernel, layout, mode, into):
     """Every expand path (control loop in its three layouts, grouped and blocked static
     kernels, the vectorized backend; eager, graph-mode, captured or compiled and replayed
     after a refill) equals the reference, which reads ``y[:, i*R : i*R + r]`` and ``B[:, :r]``
-    of each slice ``i`` only, on an input with garbage beyond every row's rank in every slice."""
+    of each slice ``i`` only, on an input with garbage beyond every row's rank in every slice;
+    into a new output, or added into a base output that is a strided view (some columns of
+    a wider tensor, as vLLM's LoRA layers pass one slice of a packed output), whose other
+    columns stay as they were."""
     if device.is_graph and mode == "eager":
         pytest.skip("graph devices run graph-mode batches")
     seed = EXPAND_LAYOUTS.index(layout) + 3 * ["auto", "grouped", "blocked"].index(kernel)
@@ -203,9 +207,16 @@ def test_expand_reads_nothing_beyond_each_slots_rank_in_any_slice(device, backen
     backend = cls(device.torch_device, **({"graph_kernel": kernel} if "graph_kernel" in inspect.signature(cls).parameters
                                           else {}))
 
+    wide = torch.randn(T, offsets[-1] + 24, generator=gen).to(device.torch_device, dtype)
+    lo = 16  # the output's columns in the wider tensor: [16, 16 + out_total)
+
     def expand(info, y):
         backend.prepare_batch(info)
-        return backend.run_lora_b(y, b, offsets)
+        if into == "new":
+            return backend.run_lora_b(y, b, offsets)
+        base = wide.clone()  # a fresh copy per call: the same base for batches A and B
+        backend.run_lora_b(y, b, offsets, base_output=base[:, lo: lo + offsets[-1]])
+        return base  # the delta must have been added into the view given
 
     if mode == "graph" and not device.is_graph:  # one graph-mode batch info, refilled in place with B
         info = pair.build(pair.batch_a, device.torch_device, use_graph=True)
@@ -216,8 +227,16 @@ def test_expand_reads_nothing_beyond_each_slots_rank_in_any_slice(device, backen
     else:
         out_a, out_b = pair.run(device, expand, y)
     for out, ref, batch in zip([out_a, out_b], refs, "AB"):
+        if into != "new":
+            outside = torch.cat([out[:, :lo], out[:, lo + offsets[-1]:]], dim=1)
+            assert torch.equal(outside, torch.cat([wide[:, :lo], wide[:, lo + offsets[-1]:]], dim=1)), (
+                f"batch {batch}: columns outside the view changed")
+            out = out[:, lo: lo + offsets[-1]]
         assert torch.isfinite(out.float()).all(), f"batch {batch}: the expand read garbage beyond a rank"
-        assert_close_to_reference(out, reference_lora_b(y, b, ref, offsets), dtype)
+        expected = reference_lora_b(y, b, ref, offsets)
+        if into != "new":
+            expected = expected + wide[:, lo: lo + offsets[-1]].float().cpu()
+        assert_close_to_reference(out, expected, dtype)
 
 
 # ----------------------------------------------------------------------------- packed projections of any arity

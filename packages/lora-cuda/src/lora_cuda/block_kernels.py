@@ -25,6 +25,8 @@ from typing import Callable, Hashable, NamedTuple, Protocol, TypeVar
 
 import torch
 
+from .row_updates import gather_add_rows_
+
 __all__ = ["BlockLayout", "block_shrink", "block_expand"]
 
 T = TypeVar("T")
@@ -113,7 +115,8 @@ def block_expand(
     ``out: (T, out_total)``: ``out[t, o_i:o_i+1] += x[t, i*R : i*R + rank[s]] @ weights[s, o_i:o_i+1, :rank[s]].T``
     for each slice ``i``, ``s`` the slot of ``t``'s block; the columns of ``x`` beyond the rank
     are zeroed in the gathered rows before the GEMM. Gathered rows and the delta live in the
-    layout's workspaces."""
+    layout's workspaces. ``out`` may be a strided view (a slice's columns of a wider output):
+    each row's delta is then gathered from the blocks (:func:`~lora_cuda.row_updates.gather_add_rows_`)."""
     R, num_slices, dtype = weights.shape[2], len(slice_offsets) - 1, x.dtype
     ops = blocks.call_operands(("expand", x.shape[1], slice_offsets, dtype), _expand_operands,
                                R, num_slices, slice_offsets[-1], dtype)
@@ -127,4 +130,5 @@ def block_expand(
         for i in range(num_slices):  # each slice's columns of the delta, written in place
             lo, hi = slice_offsets[i], slice_offsets[i + 1]
             torch.bmm(yb[:, :, i * R : (i + 1) * R], wb[:, lo:hi].transpose(1, 2), out=delta[:, :, lo:hi])
-    return out.index_add_(0, blocks.block_tokens, ops.delta_rows)
+    # a padding row's delta is zero (its gathered row is masked) and every row of out has one block row
+    return gather_add_rows_(out, blocks.token_rows[: out.shape[0]], ops.delta_rows, blocks.block_tokens)

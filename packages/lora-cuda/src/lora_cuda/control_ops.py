@@ -30,6 +30,7 @@ from lora_core import BatchInfo, is_capturing
 from .block_kernels import block_expand, block_shrink
 from .control_plan import ControlPlan
 from .graph_ops import sgemm_lora_a_embedding_graph_fwd
+from .row_updates import index_add_rows_
 
 __all__ = [
     "sgemm_lora_a_control_fwd",
@@ -99,7 +100,7 @@ def sgemm_lora_b_control_fwd(
             for i in range(num_slices):
                 cols = slice(slice_offsets[i], slice_offsets[i + 1])
                 torch.mm(yp[rows, i * R : i * R + g.rank], weights[g.slot, cols, : g.rank].t(), out=delta[rows, cols])
-        out.index_add_(0, perm, delta)
+        index_add_rows_(out, perm, delta)
         return out
     for g in plan.groups:
         rows = slice(g.start, g.end)

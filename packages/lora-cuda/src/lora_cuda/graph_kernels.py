@@ -45,6 +45,7 @@ from lora_core.platforms import platform_for
 
 from .block_kernels import block_expand, block_shrink
 from .graph_plans import BlockPlan, SortedPlan
+from .row_updates import gather_add_rows_, index_add_rows_
 
 __all__ = [
     "GRAPH_KERNELS",
@@ -147,7 +148,11 @@ def graph_expand(x: torch.Tensor, weights: torch.Tensor, batch_info: BatchInfo, 
         weights_t = [weights[:, slice_offsets[i] : slice_offsets[i + 1]].transpose(1, 2) for i in range(num_slices)]
         for c in plan.chunks:  # each chunk's delta is added before the next one's is computed
             parts = [torch._grouped_mm(y[c.start : c.stop], w, offs=c.group_ends) for y, w in zip(ys_slices, weights_t)]
-            out.index_add_(0, c.tokens, parts[0] if num_slices == 1 else torch.cat(parts, dim=1))
+            delta = parts[0] if num_slices == 1 else torch.cat(parts, dim=1)
+            if len(plan.chunks) == 1:  # every row's delta is here, at token_rows (rank-0 rows: zeros)
+                gather_add_rows_(out, plan.token_rows[:T], delta, c.tokens)
+            else:
+                index_add_rows_(out, c.tokens, delta)
         return out
     return block_expand(x, weights, batch_info.plan(BlockPlan), slice_offsets, out)
 
