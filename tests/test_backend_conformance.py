@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from lora_core import available_backends, get_backend
+from lora_core import available_backends, build_batch_info, get_backend
 from lora_core.reference import reference_lora_a, reference_lora_a_embedding, reference_lora_b
 from lora_core.testing import (
     BatchPair,
@@ -82,6 +82,49 @@ def test_embedding_shrink_matches_reference(device, backend_name, dtype, seed):
     out_a, out_b = pair.run(device, shrink, ids)
     for out, ref in zip([out_a, out_b], pair.reference_infos()):
         assert_close_to_reference(out, reference_lora_a_embedding(ids, a, ref, V, added), dtype)
+
+
+@pytest.mark.parametrize("backend_name", BACKENDS)
+@pytest.mark.parametrize("op", ["linear", "embedding"])
+def test_a_replay_after_set_adapters_uses_the_new_ranks_and_scalings(device, backend_name, op):
+    """A slot that gets another adapter between steps (``set_adapters``: new ranks and
+    scalings written in place) keeps the graph captured before: the replay (on graph devices;
+    eager devices run the graph-mode batch again) reads the new ranks and scalings from the
+    batch's device tensors, never from its host mirrors or from values read at capture."""
+    gen = torch.Generator().manual_seed(7)
+    R, T, V = 8, 24, 50
+    ranks_a, scalings_a = [8, 3, 0, 5], [0.5, 2.0, 1.0, 1.5]
+    ranks_b, scalings_b = [2, 8, 6, 0], [1.25, 0.75, 3.0, 1.0]
+    seq_lens, slots = [5, 7, 4, 3, 5], [0, 1, 2, None, 3]
+    full = [R] * len(ranks_a)  # weights valid up to R in every slot: both rank sets read real values
+    dev = device.torch_device
+    info = build_batch_info(seq_lens, slots, ranks_a, scalings_a, device=dev, use_graph=True, max_tokens=T, max_rank=R)
+    backend = get_backend(backend_name)(dev)
+    if op == "linear":
+        a, b, offsets = random_linear_weights(gen, num_slots=4, max_rank=R, in_features=16, slice_widths=[12, 4],
+                                              lora_ranks=full, dtype=torch.float32, device=dev)
+        x = torch.randn(T, 16, generator=gen).to(dev)
+
+        def step(x):
+            backend.prepare_batch(info)
+            return backend.run_packed(x, a, b, offsets)
+    else:
+        a, _ = random_embedding_weights(gen, num_slots=4, max_rank=R, vocab_total=V, embedding_dim=8,
+                                        lora_ranks=full, dtype=torch.float32, device=dev)
+        x = torch.randint(0, V, (T,), generator=gen).to(dev)
+
+        def step(ids):
+            backend.prepare_batch(info)
+            return backend.run_lora_a_embedding(ids, a, V)
+
+    outs = device.run_two_batches(step, (x,), lambda: info.set_adapters(ranks_b, scalings_b))
+    for out, ranks, scalings in zip(outs, (ranks_a, ranks_b), (scalings_a, scalings_b)):
+        ref = build_batch_info(seq_lens, slots, ranks, scalings, device="cpu")
+        if op == "linear":
+            want = reference_lora_b(reference_lora_a(x, a, ref, 2), b, ref, offsets)
+        else:
+            want = reference_lora_a_embedding(x, a, ref, V, 0)
+        assert_close_to_reference(out, want, torch.float32)
 
 
 @pytest.mark.parametrize("backend_name", BACKENDS)
@@ -294,3 +337,55 @@ def test_sglang_four_slice_run_qkv_case(backend_name):
     torch.testing.assert_close(backend.run_qkv(x, a, b, offsets), expected, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(backend.run_qkv(x, a, b, offsets), reference_lora_b(
         reference_lora_a(x, a, info, 4), b, info, offsets.tolist()), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend_name", BACKENDS)
+@pytest.mark.parametrize("batch", ["eager", "graph"])
+@pytest.mark.parametrize("empty", ["slots", "experts"])
+def test_empty_adapter_tables_mean_no_delta_on_every_op(device, backend_name, batch, empty):
+    """Zero adapter slots (a server before its first adapter) or fused experts with zero experts:
+    every op works and adds nothing, on every backend and batch kind (an empty table is not an
+    error, and not an ``IndexError`` or a raw ``RuntimeError`` out of a kernel)."""
+    if device.is_graph and batch == "eager":
+        pytest.skip("graph devices run graph-mode batches")
+    dev = device.torch_device
+    gen = torch.Generator().manual_seed(3)
+    T, R, H, V, D, K = 5, 4, 8, 16, 6, 2
+    ranks, scalings = ([], []) if empty == "slots" else ([4, 2], [0.5, 2.0])
+    seq_lens, slots = [3, 2], ([None, None] if empty == "slots" else [0, 1])
+    L, E = len(ranks), (3 if empty == "slots" else 0)
+    info = build_batch_info(seq_lens, slots, ranks, scalings, device=dev, use_graph=batch == "graph",
+                            max_tokens=T if batch == "graph" else None)
+    backend = get_backend(backend_name)(dev)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen).to(dev)
+
+    x, base, ids = rand(T, H), rand(T, 10), torch.randint(0, V, (T,), generator=gen).to(dev)
+    xk, expert_ids, base_k = rand(T, K, H), torch.randint(0, 3, (T, K), generator=gen).to(dev), rand(T, K, 7)
+    logits, embedded = rand(T, V), rand(T, D)
+
+    a, a2, b2, emb, head_a, head_b = rand(L, R, H), rand(L, 2 * R, H), rand(L, 10, R), rand(L, R, V), rand(L, R, H), \
+        rand(L, V, R)
+    added, factors, bias, ea, eb = rand(L, 2, D), torch.ones(L, 10, device=dev) * 3, rand(10), rand(L, E, R, H), \
+        rand(L, E, 7, R)
+
+    def every_op(x, base, ids, xk, expert_ids, base_k, logits, embedded):
+        backend.prepare_batch(info)
+        return (backend.run_lora_a(x, a),
+                backend.run_packed(x, a2, b2, (0, 6, 10), base.clone()),
+                backend.run_lora_a_embedding(ids, emb, V),
+                backend.run_lm_head(x, head_a, head_b, logits.clone(), pruned=False),
+                backend.run_added_tokens(ids, added, V - 2, embedded.clone()),
+                backend.run_dora_scale(base.clone(), factors, bias),
+                backend.run_experts_lora(xk, expert_ids, ea, eb, base_k.clone()))
+
+    inputs = (x, base, ids, xk, expert_ids, base_k, logits, embedded)
+    outs, _ = device.run_two_batches(every_op, inputs, lambda: None)
+    if empty == "slots":
+        want = (torch.zeros(T, R), base, torch.zeros(T, R), logits, embedded, base, base_k)
+    else:
+        want = (None, None, None, None, None, None, base_k)  # only the experts' table is empty here
+    for i, (out, expected) in enumerate(zip(outs, want)):
+        if expected is not None:
+            assert torch.equal(out.cpu(), expected.cpu()), f"op {i} added a delta"

@@ -30,6 +30,8 @@ def experts_lora_fwd(x: torch.Tensor, expert_ids: torch.Tensor, a_weights: torch
     ``graph_kernel`` (a preference of :data:`lora_cuda.GRAPH_KERNELS`) picks the graph-safe kernel.
     """
     check_experts_lora_inputs(x, expert_ids, a_weights, b_weights, batch_info, base_output)
+    if 0 in a_weights.shape[:2] or 0 in x.shape[:2]:  # no slots, no experts or no pairs: no delta, any batch kind
+        return base_output if base_output is not None else x.new_zeros(*x.shape[:2], b_weights.shape[2])
     if graph_safe or batch_info.use_graph or torch.compiler.is_compiling():
         return graph_experts_lora(x, expert_ids, a_weights, b_weights, batch_info, base_output,
                                   kernel=check_graph_kernel(graph_kernel))

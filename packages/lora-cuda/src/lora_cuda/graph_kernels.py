@@ -183,6 +183,8 @@ def graph_dora_scale(output: torch.Tensor, factors: torch.Tensor, batch_info: Ba
     One gather of each row's factor row (keyed by ``token_slots``; slot -1 reads factor 1)
     and one in-place add of ``(f - 1) * (output - bias)`` computed in float32, so a row whose
     factor is 1 (slot -1, a slot without DoRA) is left exactly as it was."""
+    if factors.shape[0] == 0:  # no slots: no row has an adapter (static shapes: the same in every batch)
+        return output
     slots = batch_info.token_slots[: output.shape[0]]
     picked = factors.index_select(0, slots.clamp(min=0).long())  # (T, out)
     excess = torch.where(slots[:, None] >= 0, picked - 1, 0)
