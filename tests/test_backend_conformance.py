@@ -389,3 +389,31 @@ def test_empty_adapter_tables_mean_no_delta_on_every_op(device, backend_name, ba
     for i, (out, expected) in enumerate(zip(outs, want)):
         if expected is not None:
             assert torch.equal(out.cpu(), expected.cpu()), f"op {i} added a delta"
+
+
+@pytest.mark.parametrize("backend_name", BACKENDS)
+def test_a_tensor_of_slice_offsets_works_eagerly_and_is_refused_in_graphs(device, backend_name):
+    """A 1-D CPU integer tensor is documented as valid ``slice_offsets``: eager calls read it;
+    under a graph capture or torch.compile it is refused with one line naming it (its values
+    would be read on the host and baked into the graph), never a CaptureError or a dynamo
+    guard failure."""
+    dev = device.torch_device
+    gen = torch.Generator().manual_seed(5)
+    info = build_batch_info([3, 2], [0, 1], [4, 2], [1.0, 0.5], device=dev, use_graph=device.is_graph,
+                            max_tokens=5 if device.is_graph else None)
+    x, b = torch.randn(5, 8, generator=gen).to(dev), torch.randn(2, 10, 4, generator=gen).to(dev)
+    backend = get_backend(backend_name)(dev)
+    offsets = torch.tensor([0, 6, 10])
+
+    def expand(x):
+        backend.prepare_batch(info)
+        return backend.run_lora_b(x, b, offsets)
+
+    if not device.is_graph:
+        with torch.no_grad():
+            assert torch.equal(expand(x), (backend.run_lora_b(x, b, (0, 6, 10))))
+        return
+    with pytest.raises(Exception) as err:
+        device.run_two_batches(expand, (x,), lambda: None)
+    assert "slice_offsets is a tensor inside a graph capture or torch.compile" in str(err.value)
+

@@ -172,6 +172,14 @@ def _check_ranks(batch_info: BatchInfo, max_rank: int) -> None:
     raise ValueError(f"slot {slot} has rank {ranks[slot]} but the weights hold at most R = {max_rank}")
 
 
+def check_offsets_readable(slice_offsets: Sequence[int] | torch.Tensor) -> None:
+    """Refuse a tensor of ``slice_offsets`` inside a graph capture or ``torch.compile``: its
+    values would have to be read on the host there (a sync, then a constant of the graph)."""
+    if isinstance(slice_offsets, torch.Tensor) and (is_capturing() or tracing_for_compile()):
+        raise ValueError("slice_offsets is a tensor inside a graph capture or torch.compile, where its values "
+                         "cannot be read; pass Python ints, e.g. (0, 6, 10)")
+
+
 def normalize_slice_offsets(slice_offsets: Sequence[int] | torch.Tensor) -> tuple[int, ...]:
     """Slice offsets as a tuple of Python ints ``(0, o1, ..., out_total)``, validated."""
     if (type(slice_offsets) is tuple and len(slice_offsets) > 1 and slice_offsets[0] == 0  # every layer call:
@@ -183,6 +191,7 @@ def normalize_slice_offsets(slice_offsets: Sequence[int] | torch.Tensor) -> tupl
             raise ValueError(
                 f"slice_offsets must be Python ints or a 1-D CPU integer tensor, got {_describe(slice_offsets)}"
             )
+        check_offsets_readable(slice_offsets)
         values = slice_offsets.tolist()
     else:
         try:

@@ -27,6 +27,7 @@ import torch
 from lora_core import BatchInfo
 from lora_core.validation import (
     check_embedding_inputs,
+    check_offsets_readable,
     check_lora_a_inputs,
     check_lora_b_inputs,
     check_token_ids,
@@ -138,7 +139,6 @@ def sgemm_lora_a_embedding_fwd(
 
 
 def _compiled_offsets(slice_offsets: Sequence[int] | torch.Tensor) -> tuple[int, ...]:
-    """Slice offsets as ints for a custom op's ``SymInt[]`` (the op validates them)."""
-    if isinstance(slice_offsets, torch.Tensor):
-        return tuple(int(o) for o in slice_offsets.tolist())
+    """Slice offsets as ints for a custom op's ``SymInt[]`` (the op validates them); a tensor is refused."""
+    check_offsets_readable(slice_offsets)
     return tuple(slice_offsets)
