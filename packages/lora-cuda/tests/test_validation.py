@@ -51,6 +51,29 @@ def test_bad_input_names_the_problem(call, match):
         call()
 
 
+@pytest.mark.parametrize("backend_name", ["torch_native", "ascend"])
+@pytest.mark.parametrize(("args", "error", "match"), [
+    ((torch.randn(5, 10), torch.ones(2, 10), [0.0] * 10), TypeError, "bias must be a torch.Tensor, got list"),
+    ((torch.randn(5, 10, dtype=torch.float64), torch.ones(2, 10), None), ValueError,
+     "output has dtype torch.float64; supported"),
+    ((torch.randn(5, 10), torch.ones(2, 10), torch.zeros(10, dtype=torch.int64)), ValueError,
+     "bias has dtype torch.int64 but output has torch.float32"),
+    ((torch.randn(5, 10), torch.ones(2, 10), torch.zeros(1, 10)), ValueError, "bias must be 1-D"),
+    ((torch.randn(5, 10), [[1.0] * 10] * 2, None), TypeError, "factors must be a torch.Tensor, got list"),
+    ((torch.randn(5, 10), torch.ones(2, 10, dtype=torch.float64), None), ValueError, "factors must be float32"),
+    ((torch.randn(10), torch.ones(2, 10), None), ValueError, "output must be 2-D"),
+])
+def test_dora_scale_validates_like_every_other_op(backend_name, args, error, match):
+    """run_dora_scale goes through lora_core.validation's checks: the dtypes run_packed refuses
+    (float64) and arguments of the wrong kind are named, never an AttributeError from inside."""
+    from lora_core import get_backend
+
+    backend = get_backend(backend_name)("cpu")
+    backend.prepare_batch(INFO)
+    with pytest.raises(error, match=match):
+        backend.run_dora_scale(*args)
+
+
 def test_graph_batch_info_rejects_more_rows_than_its_capacity():
     info = make_batch_info([3, 2], [0, 1], [4, 2], device="cpu", use_graph=True)
     with pytest.raises(ValueError, match="holds 5 tokens and 5 rows of capacity"):

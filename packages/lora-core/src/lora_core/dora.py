@@ -22,7 +22,7 @@ import torch
 
 from .batch_info import BatchInfo
 
-__all__ = ["dora_factor", "reference_dora_scale", "check_dora_scale_inputs"]
+__all__ = ["dora_factor", "reference_dora_scale"]
 
 
 def dora_factor(base_weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scaling: float,
@@ -41,26 +41,6 @@ def dora_factor(base_weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.T
     device = base_weight.device
     weight = base_weight.detach().float() + scaling * (lora_b.to(device).float() @ lora_a.to(device).float())
     return magnitude.to(device).float() / torch.linalg.vector_norm(weight, dim=1)
-
-
-def check_dora_scale_inputs(output: torch.Tensor, factors: torch.Tensor, batch_info: BatchInfo,
-                            bias: torch.Tensor | None) -> None:
-    """Metadata-only checks of ``run_dora_scale``'s inputs (no device read): ``ValueError`` naming the argument."""
-    if output.dim() != 2 or not output.is_floating_point():
-        raise ValueError(f"output must be a 2-D floating-point tensor (T, out), got {tuple(output.shape)} "
-                         f"{output.dtype}")
-    rows, out_features = output.shape
-    if rows != batch_info.num_tokens:
-        raise ValueError(f"output has {rows} rows but the batch info was built for {batch_info.num_tokens} tokens")
-    num_slots = len(batch_info.lora_ranks_host)
-    if factors.shape != (num_slots, out_features) or factors.dtype != torch.float32:
-        raise ValueError(f"factors must be float32 of shape ({num_slots}, {out_features}) (slots, out), got "
-                         f"{tuple(factors.shape)} {factors.dtype}")
-    if bias is not None and bias.shape != (out_features,):
-        raise ValueError(f"bias must have shape ({out_features},), got {tuple(bias.shape)}")
-    for name, t in (("factors", factors), ("bias", bias)):
-        if t is not None and t.device != output.device:
-            raise ValueError(f"{name} is on {t.device} but output is on {output.device}")
 
 
 def reference_dora_scale(output: torch.Tensor, factors: torch.Tensor, batch_info: BatchInfo,

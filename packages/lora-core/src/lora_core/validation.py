@@ -336,3 +336,30 @@ def check_experts_lora_inputs(x: torch.Tensor, expert_ids: torch.Tensor, a_weigh
                              f"got {_describe(base_output)}")
     _check_ranks(batch_info, R)
     check_num_tokens(batch_info, T)
+
+
+def check_dora_scale_inputs(output: torch.Tensor, factors: torch.Tensor, batch_info: BatchInfo,
+                            bias: torch.Tensor | None) -> None:
+    """``run_dora_scale``'s inputs, checked like every other op's (no device read): ``output
+    (T, out)`` of a supported float dtype on the batch's device, ``factors (L, out)`` float32,
+    ``bias (out,)`` a tensor of ``output``'s dtype and device, or ``None``."""
+    _check_tensor("output", output, 2)
+    check_float_dtype("output", output.dtype)
+    _check_tensor("factors", factors, 2)
+    if bias is not None:
+        _check_tensor("bias", bias, 1)
+    _check_batch_device(batch_info, output.device, "output")
+    rows, out_features = output.shape
+    if rows != batch_info.num_tokens:
+        raise ValueError(f"output has {rows} rows but the batch info was built for {batch_info.num_tokens} tokens")
+    num_slots = batch_info.num_slots
+    if factors.shape != (num_slots, out_features) or factors.dtype != torch.float32:
+        raise ValueError(f"factors must be float32 of shape ({num_slots}, {out_features}) (slots, out), got "
+                         f"{_describe(factors)}")
+    if factors.device != output.device:
+        raise ValueError(f"factors is on {factors.device} but output is on {output.device}")
+    if bias is not None:
+        _check_same("bias", bias, "output", output.dtype, output.device)
+        if bias.shape != (out_features,):
+            raise ValueError(f"bias must have shape ({out_features},), got {_describe(bias)}")
+

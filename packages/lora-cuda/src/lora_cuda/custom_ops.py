@@ -47,8 +47,8 @@ import numpy as np
 import torch
 
 from lora_core import BatchInfo, build_batch_info
-from lora_core.dora import check_dora_scale_inputs
-from lora_core.validation import check_embedding_inputs, check_lora_a_inputs, check_lora_b_inputs, check_token_ids
+from lora_core.validation import (check_dora_scale_inputs, check_embedding_inputs, check_lora_a_inputs,
+                                  check_lora_b_inputs, check_token_ids)
 
 from .graph_kernels import check_graph_kernel, graph_dora_scale, graph_embedding_shrink, graph_expand, graph_shrink
 from .graph_plans import batch_args, batch_of_key

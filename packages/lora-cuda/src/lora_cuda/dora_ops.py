@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from lora_core import BatchInfo
-from lora_core.dora import check_dora_scale_inputs
+from lora_core.validation import check_dora_scale_inputs
 
 from . import custom_ops  # noqa: F401  (registers torch.ops.lora_cuda.dora_scale_)
 from .graph_kernels import graph_dora_scale
