@@ -249,9 +249,16 @@ def test_a_pruned_lm_head_runs_each_requests_last_row_through_its_copy(tiny):
     want = torch.stack([(head.modules_to_save[a] if a in head.modules_to_save else head.original_module)(h)
                         for h, a in zip(hidden, rows)]).detach()
     torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
-    with pytest.raises(ValueError, match=r"got 5 rows; expected every token \(10\) or the last token of each "
-                                         r"request \(4\)"):
+    with pytest.raises(ValueError) as err:
         model.lm_head(torch.randn(5, CONFIG.hidden_size))
+    assert str(err.value) == ("a saved module (modules_to_save) got 5 rows; expected one row per token (10 tokens) "
+                              "or, for the LM head, one per non-empty request (4 requests)")
+    mlora.enable_graph(16)  # rows: the graph's capacity
+    mlora.set_batch(seq_lens, adapters)
+    with pytest.raises(ValueError) as err:
+        model.lm_head(torch.randn(10, CONFIG.hidden_size))
+    assert str(err.value) == ("a saved module (modules_to_save) got 10 rows; expected the graph batch's capacity "
+                              "(16 rows, 10 of them tokens now)")
 
 
 @pytest.mark.parametrize("backend", available_backends())

@@ -112,9 +112,13 @@ class SavedModule(nn.Module):
         if rows != info.num_tokens and self.lm_head:
             view = info.lm_head_view(pruned=True)
         if rows != view.num_tokens:
-            expected = f"every token ({info.num_tokens})"
-            if self.lm_head:
-                expected += f" or the last token of each request ({view.num_tokens})"
+            if info.use_graph:  # a graph's rows are its capacity, whatever the batch in it (LM-head rows too)
+                expected = f"the graph batch's capacity ({info.capacity} rows, {info.num_real_tokens} of them tokens now)"
+            else:
+                expected = f"one row per token ({info.num_tokens} tokens)"
+                if self.lm_head:
+                    requests = info.lm_head_view(pruned=True).num_tokens
+                    expected += f" or, for the LM head, one per non-empty request ({requests} requests)"
             raise ValueError(f"a saved module (modules_to_save) got {rows} rows; expected {expected}")
         slots = view.token_slots.long()
         index = slots.clamp(min=0)
