@@ -151,3 +151,27 @@ def test_a_dora_adapter_loads_each_modules_magnitude(tmp_path):
     adapter = load_peft_adapter(path)
     assert adapter.use_dora and torch.equal(adapter.modules["fc"].magnitude, magnitude)
     assert torch.equal(adapter.modules["emb"].magnitude, magnitude[:3])  # (D,): one per embedding dimension
+
+
+@pytest.mark.parametrize("key", ["base_model.model.fc.lora_A.weight", "base_model.model.fc.lora_B.weight",
+                                 "base_model.model.score.weight"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite_weights_are_refused_naming_the_file_and_tensor(tmp_path, key, bad):
+    """A NaN or infinite value in any weight the adapter serves (LoRA A or B, a saved module's
+    copy) is refused at load: every token routed to the adapter would get it."""
+    tensors = {**_FC, "base_model.model.score.weight": torch.ones(5, 3)}
+    tensors[key] = tensors[key].clone()
+    tensors[key][0, 1] = bad
+    path = _write(tmp_path, {"modules_to_save": ["score"]}, tensors)
+    with pytest.raises(AdapterFormatError) as err:
+        load_peft_adapter(path)
+    assert str(err.value) == (f"{path / 'adapter_model.safetensors'}: tensor {key!r} has 1 non-finite value(s) "
+                              f"(NaN or inf) of {tensors[key].numel()}")
+
+
+def test_non_finite_base_model_weights_saved_beside_the_adapter_are_ignored_not_refused(tmp_path):
+    table = torch.ones(7, 3)
+    table[0, 0] = float("nan")
+    with pytest.warns(UserWarning, match="ignoring base-model weights"):
+        adapter = load_peft_adapter(_write(tmp_path, None, {**_FC, "base_model.model.embed_tokens.weight": table}))
+    assert set(adapter.modules) == {"fc"}

@@ -9,7 +9,8 @@ from typing import Mapping, Sequence
 
 import torch
 
-from .adapters import _PREFIX, CONFIG_NAME, SAFETENSORS_NAME
+from .adapter_files import CONFIG_NAME, SAFETENSORS_NAME
+from .adapters import _PREFIX
 
 __all__ = ["save_peft_adapter"]
 

@@ -28,14 +28,12 @@ from typing import Callable, Mapping, Sequence
 
 import torch
 
+from .adapter_files import CONFIG_NAME, AdapterFormatError, check_finite_weights, read_adapter_tensors
 from .checks import FLOAT32_MAX, check_finite_float
 
 __all__ = ["LoRAModuleWeights", "PeftAdapter", "load_peft_adapter", "peft_scaling", "AdapterFormatError",
            "SavedModuleWeights", "is_saved_module"]
 
-CONFIG_NAME = "adapter_config.json"
-SAFETENSORS_NAME = "adapter_model.safetensors"
-BIN_NAME = "adapter_model.bin"
 _PREFIX = "base_model.model."
 _SUFFIXES = {
     ".lora_A.weight": ("linear", "a"),
@@ -44,10 +42,6 @@ _SUFFIXES = {
     ".lora_embedding_B": ("embedding", "b"),
 }
 _MAGNITUDE = ".lora_magnitude_vector"  # DoRA's magnitude vector (out,), PEFT's key without ".weight"
-
-
-class AdapterFormatError(ValueError):
-    """The adapter directory is malformed or uses a feature lora-kit does not support."""
 
 
 @dataclass(frozen=True)
@@ -218,27 +212,6 @@ def _read_config(path: Path) -> dict:
     return config
 
 
-def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
-    st_path, bin_path = path / SAFETENSORS_NAME, path / BIN_NAME
-    if st_path.is_file():
-        from safetensors import SafetensorError
-        from safetensors.torch import load_file
-
-        try:
-            return load_file(str(st_path))
-        except (SafetensorError, OSError, ValueError) as exc:
-            raise AdapterFormatError(f"cannot read {st_path}: {exc}") from None
-    if bin_path.is_file():
-        try:
-            tensors = torch.load(bin_path, map_location="cpu", weights_only=True)
-        except Exception as exc:  # torch raises several types for unsafe or corrupt pickles
-            raise AdapterFormatError(f"cannot read {bin_path} safely (weights_only=True): {exc}") from None
-        if not isinstance(tensors, dict) or not all(isinstance(v, torch.Tensor) for v in tensors.values()):
-            raise AdapterFormatError(f"{bin_path} must hold a dict of tensors")
-        return tensors
-    raise FileNotFoundError(f"no {SAFETENSORS_NAME} or {BIN_NAME} in adapter directory {path}")
-
-
 def load_peft_adapter(path: str | Path) -> PeftAdapter:
     """Read a PEFT LoRA adapter directory; tensors stay on the CPU in their saved dtype."""
     if not isinstance(path, (str, Path)) and not hasattr(path, "__fspath__"):
@@ -247,14 +220,16 @@ def load_peft_adapter(path: str | Path) -> PeftAdapter:
     if not path.is_dir():
         raise FileNotFoundError(f"adapter directory {path} does not exist")
     config = _read_config(path)
-    tensors = _read_tensors(path)
+    tensors = read_adapter_tensors(path)
 
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     kinds: dict[str, str] = {}
     magnitudes: dict[str, torch.Tensor] = {}
     saved_modules = _saved_modules(path, config, tensors)
-    tensors = {k: v for k, v in tensors.items() if not _saved_key(config, k)}
-    base_weights = sorted(k for k in tensors if k.endswith(".weight") and "lora_" not in k)
+    adapter_keys = {k for k in tensors if not _saved_key(config, k)}
+    base_weights = sorted(k for k in adapter_keys if k.endswith(".weight") and "lora_" not in k)
+    check_finite_weights(path, {k: v for k, v in tensors.items() if k not in base_weights})
+    tensors = {k: tensors[k] for k in adapter_keys}
     if base_weights:
         # PEFT's save_embedding_layers stores full embedding / LM-head weights next to the
         # adapter; they are the base model's, which the serving model already holds
