@@ -87,3 +87,44 @@ def test_a_valid_adapter_with_large_weights_passes(tmp_path, capsys):
     code = sim.main([f"--adapter=big={adapter}", "--model-config", SMALL, "--device", "cpu",
                      "--backend", "torch_native", "--decode-steps", "2", "--rounds", "3"])
     assert code == 0, capsys.readouterr().out
+
+
+def _with_tensor(path, key, tensor):
+    """The adapter at ``path`` with one more tensor in its safetensors file."""
+    from safetensors.torch import load_file, save_file
+
+    weights = path / "adapter_model.safetensors"
+    tensors = load_file(str(weights))
+    tensors[key] = tensor
+    save_file(tensors, str(weights))
+    return path
+
+
+def test_base_model_weights_saved_with_an_adapter_are_reported_once_per_run(tmp_path, capsys, recwarn):
+    """PEFT's save_embedding_layers stores the base model's table beside the adapter: lora-sim
+    reads each adapter once per run (the check, every row and the references use that read),
+    so its warning shows once, not once per load and again per row."""
+    config = sim.parse_config(SMALL)
+    adapter = _with_tensor(_large_adapter(tmp_path, config, scale=1.0), "base_model.model.lm_head.weight",
+                           torch.zeros(64, 32))
+    code = sim.main([f"--adapter=big={adapter}", "--model-config", SMALL, "--device", "cpu", "--device",
+                     "cpu-graphsim", "--backend", "torch_native", "--decode-steps", "1", "--rounds", "3"])
+    assert code == 0, capsys.readouterr().out
+    ignored = [w for w in recwarn if "ignoring base-model weights saved with the adapter" in str(w.message)]
+    assert len(ignored) == 1 and str(adapter) in str(ignored[0].message)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_an_adapter_with_non_finite_weights_is_refused_before_the_run(tmp_path, capsys, bad):
+    config = sim.parse_config(SMALL)
+    adapter = _large_adapter(tmp_path, config, scale=1.0)
+    key = "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"
+    from safetensors.torch import load_file
+
+    b = load_file(str(adapter / "adapter_model.safetensors"))[key].clone()
+    b[3, 5] = bad
+    _with_tensor(adapter, key, b)
+    code = sim.main([f"--adapter=big={adapter}", "--model-config", SMALL, "--device", "cpu"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and err == [f"lora-sim: error: --adapter big: {adapter / 'adapter_model.safetensors'}: "
+                                 f"tensor {key!r} has 1 non-finite value(s) (NaN or inf) of {b.numel()}"]

@@ -268,8 +268,9 @@ class MultiLoRA:
         return self.model
 
     # ----------------------------------------------------------------- adapters
-    def load_adapter(self, name: str, path: str | Path, *, replace: bool = False) -> int:
-        """Load a PEFT adapter directory into a free slot; returns the slot.
+    def load_adapter(self, name: str, path: str | Path | PeftAdapter, *, replace: bool = False) -> int:
+        """Load a PEFT adapter directory (or an adapter already read with
+        :func:`lora_core.load_peft_adapter`) into a free slot; returns the slot.
 
         ``replace=True`` reloads an adapter already loaded under ``name`` (its slot is
         freed first). When every slot is taken, the ``eviction`` policy decides: by
@@ -277,7 +278,7 @@ class MultiLoRA:
         is unloaded. A :meth:`from_adapters` instance also wraps the modules the
         adapter targets that are not wrapped yet.
         """
-        return self._load(name, load_peft_adapter(path), replace=replace)
+        return self._load(name, path if isinstance(path, PeftAdapter) else load_peft_adapter(path), replace=replace)
 
     def _load(self, name: str, adapter: PeftAdapter, *, replace: bool = False) -> int:
         adapter = name_parameter_targets(name, adapter, self._targets.base_modules())

@@ -15,7 +15,7 @@ import tempfile
 from pathlib import Path
 from typing import Sequence
 
-from lora_core import available_backends, load_peft_adapter
+from lora_core import PeftAdapter, available_backends, load_peft_adapter
 from lora_core.testing import DEVICE_NAMES
 
 from ..models import TinyConfig, TinyDecoder
@@ -41,7 +41,7 @@ from .errors import UsageError
 from .help_text import DESCRIPTION, EPILOG
 from .report import format_devices, format_header, format_rows, to_json, write_plot
 from .run import COMPILE_BACKENDS, ROUNDS, check_compile_backend, run_simulation
-from .serving import build_multilora, saved_modules
+from .serving import AdapterSources, build_multilora, saved_modules
 from lora_core.testing.timing import machine_info
 from .workload import DEFAULT_CONFIG, Workload, default_workload
 
@@ -131,12 +131,13 @@ def parse_config(text: str | None) -> TinyConfig:
 
 def parse_adapters(specs: Sequence[str]) -> dict[str, Path]:
     """``--adapter NAME=PATH`` values as name -> directory, each loaded once to check it."""
-    return {name: path for name, (path, _) in _load_adapters(specs).items()}
+    return {name: adapter.path for name, (adapter, _) in _load_adapters(specs).items()}
 
 
-def _load_adapters(specs: Sequence[str]) -> dict[str, tuple[Path, int]]:
-    """``--adapter NAME=PATH`` values as name -> (directory, rank), each loaded once to check it."""
-    adapters: dict[str, tuple[Path, int]] = {}
+def _load_adapters(specs: Sequence[str]) -> dict[str, tuple[PeftAdapter, int]]:
+    """``--adapter NAME=PATH`` values as name -> (the adapter, its rank), each read once: the
+    run uses what is read here."""
+    adapters: dict[str, tuple[PeftAdapter, int]] = {}
     for spec in specs:
         name, sep, path = spec.partition("=")
         if not sep or not name or not path:
@@ -161,11 +162,11 @@ def _load_adapters(specs: Sequence[str]) -> dict[str, tuple[Path, int]]:
         if adapter.use_dora:  # lora-sim checks every output against plain LoRA math
             raise UsageError(f"--adapter {name}: {path} is a DoRA adapter (use_dora); lora-sim serves plain LoRA "
                              "adapters only (serve DoRA with MultiLoRA.from_adapters: docs/transformers.md)")
-        adapters[name] = (directory, rank)
+        adapters[name] = (adapter, rank)
     return adapters
 
 
-def check_adapters_fit(config: TinyConfig, adapters: dict[str, Path], hint: str = "") -> None:
+def check_adapters_fit(config: TinyConfig, adapters: AdapterSources, hint: str = "") -> None:
     """Raise :class:`UsageError` (one line) when an adapter's modules or shapes do not fit a model of ``config``;
     ``hint`` is added to the message."""
     try:
@@ -246,7 +247,7 @@ class RunPlan:
     devices: list[str]
     config: TinyConfig
     note: str | None
-    adapters: dict[str, Path] | None
+    adapters: dict[str, PeftAdapter] | None
     decode_steps: int
     rounds: int
     json_path: Path | str | None
@@ -271,14 +272,14 @@ def check_run(args: argparse.Namespace) -> RunPlan:
     config, note = read_model_config(args.model_config)
     given = _load_adapters(args.adapter) if args.adapter else None
     ranks = [rank for _, rank in given.values()] if given else [spec[0] for spec in SYNTHETIC_ADAPTERS.values()]
-    saved = sum(saved_modules({n: p for n, (p, _) in given.items()}).values()) if given else 0
+    adapters = {name: adapter for name, (adapter, _) in given.items()} if given else None
+    saved = sum(saved_modules(adapters).values()) if adapters else 0
     memory = estimate_memory(config.to_dict(), ranks, sum(Workload.prompt_lens), saved)
     limit = MAX_MEMORY_GIB if args.max_memory_gib is None else args.max_memory_gib
     if memory.gib > limit:
         raise UsageError(f"this run needs about {memory.size()} of memory ({memory.describe()}), above "
                          f"--max-memory-gib {limit:g}; raise the limit (a number of GiB) or give a smaller "
                          "--model-config")
-    adapters = {name: path for name, (path, _) in given.items()} if given else None
     if adapters:
         hint = ("; the model is lora-sim's default (hidden_size "
                 f"{DEFAULT_CONFIG.hidden_size}, {DEFAULT_CONFIG.num_hidden_layers} layers): give the adapters' base "

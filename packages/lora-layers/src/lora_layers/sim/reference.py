@@ -3,23 +3,21 @@
 from __future__ import annotations
 
 import copy
-from pathlib import Path
 from typing import Mapping, Sequence
 
 import torch
 
-from lora_core import load_peft_adapter
 from lora_core.testing import TOLERANCES
 
 from ..models import TinyDecoder
 from ..packing import LLAMA_PACKED_MODULES, infer_slice_widths
 from ..targeting import name_parameter_targets
-from .serving import packed_module_of
+from .serving import AdapterSources, load_adapters, packed_module_of
 
 __all__ = ["ScaledCheck", "merged_reference_models", "reference_logits"]
 
 
-def merged_reference_models(base: TinyDecoder, adapter_paths: Mapping[str, Path]) -> dict[str | None, TinyDecoder]:
+def merged_reference_models(base: TinyDecoder, adapters: AdapterSources) -> dict[str | None, TinyDecoder]:
     """fp32 copies of ``base``, one per adapter with it merged into the weights
     (``W += scaling * B @ A``; an embedding's delta transposed; a PEFT module that
     lives in a fused module lands in its slice, of the widths
@@ -27,11 +25,11 @@ def merged_reference_models(base: TinyDecoder, adapter_paths: Mapping[str, Path]
     gets each expert's ``scaling * B_e @ A_e``; a module the adapter trained whole,
     ``modules_to_save``, is replaced by its copy), and the unmerged copy under the key ``None``."""
     models: dict[str | None, TinyDecoder] = {None: copy.deepcopy(base).float()}
-    for name, path in adapter_paths.items():
+    for name, loaded in load_adapters(adapters).items():
         merged = copy.deepcopy(base).float()
         params = dict(merged.named_parameters())
         modules = dict(merged.named_modules())
-        adapter = name_parameter_targets(name, load_peft_adapter(path), modules)
+        adapter = name_parameter_targets(name, loaded, modules)
         for module, saved in adapter.saved_modules.items():
             params[f"{module}.weight"].data.copy_(saved.weight)
             if saved.bias is not None:

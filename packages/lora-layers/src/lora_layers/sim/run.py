@@ -15,7 +15,6 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
 import torch
@@ -34,7 +33,7 @@ from lora_core.testing import (
 from ..models import TinyConfig, TinyDecoder
 from .errors import UsageError
 from .reference import ScaledCheck, merged_reference_models, reference_logits
-from .serving import build_multilora
+from .serving import AdapterSources, build_multilora, load_adapters
 from lora_core.testing.timing import Interleaved, Spread, sync_device
 from .workload import Workload
 
@@ -177,7 +176,7 @@ def _time_decode(steps: Mapping[str, Callable[[], torch.Tensor]], step_ids: torc
     return timer
 
 
-def run_row(backend: str, device_name: str, config: TinyConfig, adapter_paths: Mapping[str, Path],
+def run_row(backend: str, device_name: str, config: TinyConfig, adapters: AdapterSources,
             workload: Workload, references: Mapping[str | None, TinyDecoder], rounds: int = ROUNDS,
             compile_backend: str = "auto") -> SimRow:
     """Serve ``workload`` with ``backend`` on device ``device_name`` and check and time it.
@@ -199,7 +198,7 @@ def run_row(backend: str, device_name: str, config: TinyConfig, adapter_paths: M
     torch.manual_seed(workload.seed)
     model = TinyDecoder(config).to(dev)
     base_model = copy.deepcopy(model)
-    mlora = build_multilora(model, config, adapter_paths, backend)
+    mlora = build_multilora(model, config, adapters, backend)
 
     gen = torch.Generator().manual_seed(workload.seed)
     lens, adapters = list(workload.prompt_lens), list(workload.adapters)
@@ -255,7 +254,7 @@ def run_row(backend: str, device_name: str, config: TinyConfig, adapter_paths: M
 
 
 def run_simulation(backends: Sequence[str], devices: Sequence[str], config: TinyConfig,
-                   adapter_paths: Mapping[str, Path], workload: Workload, progress: bool = True,
+                   adapters: AdapterSources, workload: Workload, progress: bool = True,
                    rounds: int = ROUNDS, compile_backend: str = "auto") -> list[SimRow]:
     """One :func:`run_row` per backend x device, in that order; a row that raises
     ``ValueError``/``RuntimeError``/``TypeError`` becomes an ``"error"`` row.
@@ -266,15 +265,16 @@ def run_simulation(backends: Sequence[str], devices: Sequence[str], config: Tiny
     """
     jobs = [(b, d) for b in backends for d in devices]
     say = _Progress(len(jobs)) if progress else None
+    loaded = load_adapters(adapters)  # each adapter read once per run, whatever number of rows
     if say:
-        say.line(f"building {len(adapter_paths) + 1} fp32 reference models")
-    references = merged_reference_models(TinyDecoder(config), adapter_paths)
+        say.line(f"building {len(loaded) + 1} fp32 reference models")
+    references = merged_reference_models(TinyDecoder(config), loaded)
     rows = []
     for backend, device_name in jobs:
         if say:
             say.start(f"{backend} / {device_name}")
         try:
-            rows.append(run_row(backend, device_name, config, adapter_paths, workload, references, rounds,
+            rows.append(run_row(backend, device_name, config, loaded, workload, references, rounds,
                                 compile_backend))
         except (ValueError, RuntimeError, TypeError) as err:
             rows.append(SimRow(backend, device_name, "error", reason=f"{type(err).__name__}: {err}"))

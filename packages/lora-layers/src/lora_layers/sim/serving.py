@@ -8,15 +8,15 @@ from typing import Mapping
 
 from torch import nn
 
-from lora_core import load_peft_adapter
+from lora_core import PeftAdapter, load_peft_adapter
 
 from ..models import TinyConfig
 from ..multilora import MultiLoRA
 from ..packing import LLAMA_PACKED_MODULES
 from ..targeting import name_parameter_targets
 
-__all__ = ["ATTENTION", "MAX_RANK", "MLP", "PROJECTIONS", "WHOLE_MODEL", "build_multilora", "module_path",
-           "packed_modules", "packed_module_of", "saved_modules", "target_modules"]
+__all__ = ["ATTENTION", "MAX_RANK", "MLP", "PROJECTIONS", "WHOLE_MODEL", "AdapterSources", "build_multilora",
+           "load_adapters", "module_path", "packed_modules", "packed_module_of", "saved_modules", "target_modules"]
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
@@ -26,6 +26,17 @@ WHOLE_MODEL = ("embed_tokens", "lm_head")
 """Modules outside the layers that adapters may target too."""
 MAX_RANK = 64
 """The largest rank of the synthetic adapters (given adapters are served at their own largest rank)."""
+
+
+AdapterSources = Mapping[str, "str | Path | PeftAdapter"]
+"""Adapters by name: PEFT adapter directories, or adapters already read from one."""
+
+
+def load_adapters(adapters: AdapterSources) -> dict[str, PeftAdapter]:
+    """Each adapter read once: a directory is loaded (its warnings, such as ignored base-model
+    weights, shown then), an adapter already read is kept as it is. lora-sim reads every
+    adapter once per run and hands the result to each step that needs it."""
+    return {name: a if isinstance(a, PeftAdapter) else load_peft_adapter(a) for name, a in adapters.items()}
 
 
 def packed_module_of(projection: str) -> str | None:
@@ -56,17 +67,17 @@ def packed_modules(config: TinyConfig) -> dict[str, list[str]] | None:
     return {k: list(v) for k, v in LLAMA_PACKED_MODULES.items()} if config.fused else None
 
 
-def saved_modules(adapter_paths: Mapping[str, Path]) -> dict[str, int]:
+def saved_modules(adapters: AdapterSources) -> dict[str, int]:
     """The modules the adapters train whole (PEFT's ``modules_to_save``) -> the parameters
     of one copy (weight and bias): what each adapter slot holds of that module."""
     saved: dict[str, int] = {}
-    for path in adapter_paths.values():
-        for name, w in load_peft_adapter(path).saved_modules.items():
+    for adapter in load_adapters(adapters).values():
+        for name, w in adapter.saved_modules.items():
             saved[name] = max(saved.get(name, 0), w.weight.numel() + (0 if w.bias is None else w.bias.numel()))
     return saved
 
 
-def build_multilora(model: nn.Module, config: TinyConfig, adapter_paths: Mapping[str, Path],
+def build_multilora(model: nn.Module, config: TinyConfig, adapters: AdapterSources,
                     backend: str | None = None) -> MultiLoRA:
     """Wrap :func:`target_modules` of ``model`` (in place) and load every adapter.
 
@@ -81,12 +92,13 @@ def build_multilora(model: nn.Module, config: TinyConfig, adapter_paths: Mapping
     """
     kwargs = {} if backend is None else {"backend": backend}
     modules = dict(model.named_modules())
-    max_rank = max((name_parameter_targets(name, load_peft_adapter(p), modules).rank
-                    for name, p in adapter_paths.items()), default=MAX_RANK)
-    saved = sorted(saved_modules(adapter_paths))
+    loaded = load_adapters(adapters)
+    max_rank = max((name_parameter_targets(name, adapter, modules).rank for name, adapter in loaded.items()),
+                   default=MAX_RANK)
+    saved = sorted(saved_modules(loaded))
     targets = [t for t in target_modules(config) if not any(s == t or s.endswith(f".{t}") for s in saved)]
-    mlora = MultiLoRA(model, targets, max_loras=max(1, len(adapter_paths)), max_rank=max_rank,
+    mlora = MultiLoRA(model, targets, max_loras=max(1, len(loaded)), max_rank=max_rank,
                       packed_modules=packed_modules(config), modules_to_save=saved, **kwargs)
-    for name, path in adapter_paths.items():
-        mlora.load_adapter(name, path)
+    for name, adapter in loaded.items():
+        mlora.load_adapter(name, adapter)
     return mlora
