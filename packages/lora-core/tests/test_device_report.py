@@ -216,6 +216,37 @@ def test_a_pytest_run_that_exited_non_zero_fails_the_merge(tmp_path):
     assert "pytest exited 5" in render(matrix)
 
 
+def test_the_merge_counts_every_test_without_a_device_per_host(tmp_path):
+    """Each host's device-less tests are counted one by one per outcome, never once per outcome."""
+    def report(name: str, host: str, outcomes: list[str]) -> str:
+        tests = [{"test": f"t.py::test_{i}", "device": None, "outcome": o} for i, o in enumerate(outcomes)]
+        return _write(tmp_path / name, {"schema": SCHEMA, "host": host, "devices": [], "tests": tests})
+
+    first = report("a.json", "runner-a", ["passed", "passed", "passed", "skipped"])
+    second = report("b.json", "runner-b", ["passed", "passed", "failed"])
+    matrix = merge([load_report(first), load_report(second)])
+    assert matrix.no_device == {"runner-a (a.json)": {"passed": 3, "skipped": 1},
+                                "runner-b (b.json)": {"passed": 2, "failed": 1}}
+    assert ("Tests without a device parameter: runner-a (a.json): 3 passed, 1 skipped; "
+            "runner-b (b.json): 2 passed, 1 failed.") in render(matrix)
+
+
+@pytest.mark.parametrize(("args", "option"), [
+    (["--lora-device", "cpu"], "--lora-device"), (["--lora-device=cpu"], "--lora-device"),
+    (["-q", "--device", "cpu"], "--device"), (["--require-device=cpu"], "--require-device"), ([], "--lora-device"),
+])
+def test_a_device_found_but_not_selected_names_the_option_the_run_used(tmp_path, args, option):
+    """A third-party project has only the plugin's ``--lora-device``; this repository's conftest.py
+    adds ``--device``: the matrix names the spelling the host's run used."""
+    path = _write(tmp_path / "r.json", {
+        "schema": SCHEMA, "host": "box", "args": args, "selected_devices": ["cpu"],
+        "devices": [{"name": "cpu", "available": True, "reason": "here"},
+                    {"name": "cpu-graphsim", "available": True, "reason": "simulated"}],
+        "tests": [{"test": "t.py::test_x", "device": "cpu", "outcome": "passed"}]})
+    text = render(merge([load_report(path)]))
+    assert f"- `cpu-graphsim`: never ran: box: found (simulated) but not selected ({option})" in text
+
+
 @pytest.mark.parametrize(("nodeid", "device_name", "key"), [
     ("t.py::test_x[cpu-graphsim-0-linear]", "cpu-graphsim", "t.py::test_x[0-linear]"),
     ("t.py::test_x[cpu-huge-torch_native]", "cpu", "t.py::test_x[huge-torch_native]"),
@@ -239,6 +270,16 @@ def test_device_tests_only_leaves_out_the_tests_without_a_device(project):
                          "test_tiny.py::test_with_a_second_parameter[cpu-2]"]
     # the other devices' 3 parameters each, and the 2 tests without a device
     assert f"{(len(DEVICE_NAMES) - 1) * 3 + 2} deselected" in run.stdout
+
+
+def test_device_tests_only_without_a_device_choice_keeps_every_device_test(project):
+    """``--lora-device-tests-only`` alone deselects only the device-less tests: every device
+    parameter stays (absent ones then skip with their reason)."""
+    run = _pytest(project, "test_tiny.py", "--lora-device-tests-only", "--collect-only", "-q")
+    assert run.returncode == 0, run.stdout + run.stderr
+    collected = [line for line in run.stdout.splitlines() if "::" in line]
+    assert len(collected) == len(DEVICE_NAMES) * 3 and all("[" in line for line in collected)
+    assert "2 deselected" in run.stdout
 
 
 def test_the_repository_spells_the_options_without_the_prefix(tmp_path):

@@ -142,6 +142,20 @@ def _ran(matrix: Matrix, device: str) -> dict[str, dict[str, int]]:
     return ran
 
 
+_SELECTING = ("--lora-device", "--lora-require-device", "--device", "--require-device")
+"""The options that select device parameters: the plugin's, and the unprefixed aliases a
+project's conftest.py may add (this repository's does)."""
+
+
+def _selecting_option(report: Report) -> str:
+    """The device-selection option as the report's run spelled it (``--lora-device`` if none)."""
+    for arg in report.data.get("args") or ():
+        name = str(arg).split("=", 1)[0]
+        if name in _SELECTING:
+            return name
+    return _SELECTING[0]
+
+
 def _why_not(matrix: Matrix, device: str) -> list[str]:
     """Per host where ``device`` did not run: absent (probe reason), not selected, or skipped."""
     notes: list[str] = []
@@ -156,7 +170,7 @@ def _why_not(matrix: Matrix, device: str) -> list[str]:
         elif not probe.get("available"):
             note = f"{report.label}: absent: {probe.get('reason', 'no reason given')}"
         elif not selected:
-            note = f"{report.label}: found ({probe.get('reason', '')}) but not selected (--device)"
+            note = f"{report.label}: found ({probe.get('reason', '')}) but not selected ({_selecting_option(report)})"
         else:
             note = f"{report.label}: found but every test skipped"
         _add_unique(notes, note)
