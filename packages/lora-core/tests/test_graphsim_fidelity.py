@@ -131,7 +131,10 @@ def test_capture_check_counts_a_call_in_a_loop_once_per_call():
         return sum(x * x[i].item() for i in range(3))
 
     report = check_capture(loop, torch.ones(3))
-    assert [f.count for f in report.findings] == [3] and "  3x  Tensor.item" in report.format()
+    assert [f.count for f in report.findings] == [3] and report.violations == 3
+    text = report.format()
+    assert "  3x  Tensor.item" in text and "3 capture-unsafe call(s) at 1 place(s), 1 rule(s)" in text
+    assert "Tensor.item() syncs and bakes a Python scalar  [3]" in text  # the rule's total: calls, not places
 
 
 def test_capture_check_of_clean_code_is_clean():

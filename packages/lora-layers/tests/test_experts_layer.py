@@ -79,10 +79,13 @@ def test_experts_layer_matches_the_reference(device, backend_name, dtype, top_k)
 def test_the_base_projections_three_ways_agree():
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(7, 2, 8, generator=gen)
-    ids = torch.randint(0, 6, (7, 2), generator=gen)  # id 5 is outside the 5 experts: zeros
+    ids = torch.randint(0, 5, (7, 2), generator=gen)
+    ids[1, 0], ids[3, 1], ids[4, 0] = -1, 5, 9  # outside the 5 experts (an expert-parallel mask): zeros
+    outside = (ids < 0) | (ids >= 5)
     for out_features in (12, 7):  # 12: the CPU's grouped GEMM; 7 (unaligned rows): the eager loop
         weight = torch.randn(5, out_features, 8, generator=gen)
-        want = torch.einsum("tki,tkoi->tko", x, weight[ids.clamp(max=4)]) * (ids < 5)[..., None]
+        want = torch.einsum("tki,tkoi->tko", x, weight[ids.clamp(0, 4)]) * ~outside[..., None]
+        assert (want[outside] == 0).all() and (want[~outside] != 0).all()
         torch.testing.assert_close(expert_projection(x, ids, weight, graph_safe=False), want)
         torch.testing.assert_close(expert_projection(x, ids, weight, graph_safe=True), want)  # per-pair gather
 

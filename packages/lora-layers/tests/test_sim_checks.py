@@ -125,6 +125,24 @@ def test_bad_options_are_one_line_exit_2(capsys, no_work, monkeypatch, tmp_path,
     _bad(capsys, argv, message)
 
 
+@pytest.mark.parametrize(("option", "low", "high", "step"), [
+    ("--decode-steps", 1, 1000, 1), ("--rounds", 3, 100, 1), ("--max-memory-gib", 0.001, 65536, 0.001),
+])
+def test_both_ends_of_each_documented_range_are_accepted(option, low, high, step):
+    """The ends of each range ``lora-sim --help`` gives parse (a bound off by one would refuse a
+    documented value); one step outside either end is refused with exit status 2."""
+    parser = cli.build_parser()
+    if step == 1:  # the integer options' help gives the range as "LOW to HIGH"
+        assert f"{low} to {high}" in " ".join(parser.format_help().split())
+    dest = option.lstrip("-").replace("-", "_")
+    for value in (low, high):
+        assert getattr(parser.parse_args([option, str(value)]), dest) == value
+    for value in (low - step, high + step):
+        with pytest.raises(SystemExit) as exc:
+            parser.parse_args([option, str(value)])
+        assert exc.value.code == 2
+
+
 def test_plot_without_matplotlib_is_refused_before_the_run(capsys, no_work, monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
     _bad(capsys, ["--plot", str(tmp_path / "p.png")],
