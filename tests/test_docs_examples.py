@@ -224,3 +224,19 @@ def test_shell_examples_name_scripts_files_and_modules_that_exist():
                         assert importlib.util.find_spec(module) is not None, f"{path.name}: no module {module}"
                         checked += 1
     assert checked > 10
+
+
+PIP_FROM_WHEELS = re.compile(r"pip install [^`\n]*dist/constraints\.txt[^`\n]*")
+
+
+def test_every_install_from_the_wheels_pins_torch_too():
+    """One install line everywhere: an install that takes lora-kit's wheels through
+    ``dist/constraints.txt`` also gives ``-c ci/constraints.txt`` (torch 2.13.0), before it, so
+    no doc leaves torch to whatever pip resolves."""
+    found = 0
+    for path in [*DOC_FILES, *READMES]:
+        for line in PIP_FROM_WHEELS.findall(path.read_text()):
+            found += 1
+            assert "-c ci/constraints.txt -c dist/constraints.txt" in line, f"{path.relative_to(ROOT)}: {line}"
+    assert found >= 3
+
