@@ -13,6 +13,7 @@ From Python::
 From the command line (``lora-capture-check`` or ``python -m lora_core.testing.capture_check``)::
 
     lora-capture-check --call mypkg.mymodule:step          # a function taking no arguments
+    lora-capture-check --call mypkg.mymodule:step --host-resident offsets_cpu   # CPU metadata it reads
     lora-capture-check --model-config path/to/config.json  # a transformers causal LM forward,
                                                            # random weights from the config
 
@@ -28,6 +29,7 @@ import importlib
 import json
 import os
 import sys
+import traceback
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,7 +38,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from .graphsim import GraphSimulator
-from .rules import Violation
+from .rules import Violation, call_site
 from .timing import positive_int
 
 __all__ = ["CaptureReport", "Finding", "check_capture", "transformers_forward", "main"]
@@ -131,8 +133,9 @@ def check_capture(fn: Callable[..., Any], *inputs: Any, host_resident: Sequence[
         raise TypeError(f"fn must be callable, got {type(fn).__name__}")
     name = target or f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
     if warm_up:
-        with torch.no_grad():
-            fn(*inputs)
+        failed = _warm_up(fn, inputs)
+        if failed is not None:
+            return CaptureReport(name, (failed,), 0)
     sim = GraphSimulator(strict=False, host_resident=host_resident)
     aborted = None
     try:
@@ -140,6 +143,27 @@ def check_capture(fn: Callable[..., Any], *inputs: Any, host_resident: Sequence[
     except Exception as exc:  # the report says where the capture stopped
         aborted = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
     return CaptureReport(name, _findings(sim.violations), sim.num_ops, aborted)
+
+
+def _warm_up(fn: Callable[..., Any], inputs: tuple) -> Finding | None:
+    """Run ``fn`` once eagerly, as the graph harnesses do before a capture; an exception is
+    returned as a finding at the file:line that raised it (not captured: nothing was).
+    ``torch.cuda.synchronize()`` is legal outside a capture: on a torch without CUDA it waits
+    for nothing here instead of raising, so the capture can report it where it is illegal."""
+    real_sync = torch.cuda.synchronize
+    if not torch.cuda.is_available():
+        torch.cuda.synchronize = lambda *args, **kwargs: None
+    try:
+        with torch.no_grad():
+            fn(*inputs)
+    except Exception as exc:  # the report says where the call failed, as one line
+        frames = traceback.extract_tb(exc.__traceback__)
+        message = str(exc).splitlines()[0] if str(exc) else ""
+        return Finding(f"the warm-up call raised (eager, before any capture): {type(exc).__name__}: {message}",
+                       type(exc).__name__, call_site(frames), 1)
+    finally:
+        torch.cuda.synchronize = real_sync
+    return None
 
 
 def transformers_forward(config_path: str | Path, *, tokens: int = 8, batch: int = 2,
@@ -180,23 +204,42 @@ def transformers_forward(config_path: str | Path, *, tokens: int = 8, batch: int
     return forward_without_mask, (ids,), label + ", no attention_mask)"
 
 
-def _load_callable(spec: str) -> Callable[[], Any]:
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise ValueError(f"--call {spec}: expected MODULE:FUNCTION, e.g. mypkg.ops:step")
+def _resolve(option: str, spec: str, example: str, default_module: str | None = None) -> Any:
+    """The object ``MODULE:ATTR`` names (``ATTR`` alone: in ``default_module``)."""
+    module_name, sep, attr = spec.rpartition(":") if ":" in spec else (default_module or "", ":", spec)
+    if not module_name or not attr:
+        raise ValueError(f"{option} {spec}: expected {example}")
     if "" not in sys.path and os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())  # like python -m: the working directory's modules are importable
     try:
         obj: Any = importlib.import_module(module_name)
     except ImportError as exc:
-        raise ValueError(f"--call {spec}: cannot import {module_name}: {exc}") from None
+        raise ValueError(f"{option} {spec}: cannot import {module_name}: {exc}") from None
     for part in attr.split("."):
         if not hasattr(obj, part):
-            raise ValueError(f"--call {spec}: {module_name} has no attribute {attr}")
+            raise ValueError(f"{option} {spec}: {module_name} has no attribute {attr}")
         obj = getattr(obj, part)
-    if not callable(obj):
-        raise ValueError(f"--call {spec}: {attr} is {type(obj).__name__}, expected a function taking no arguments")
     return obj
+
+
+def _load_callable(spec: str) -> Callable[[], Any]:
+    obj = _resolve("--call", spec, "MODULE:FUNCTION, e.g. mypkg.ops:step")
+    if not callable(obj):
+        raise ValueError(f"--call {spec}: {spec.partition(':')[2]} is {type(obj).__name__}, expected a function "
+                         "taking no arguments")
+    return obj
+
+
+def _load_host_resident(specs: Sequence[str], call: str | None) -> list[torch.Tensor]:
+    """The tensors ``--host-resident`` names: ``MODULE:ATTR``, or ``ATTR`` of ``--call``'s module."""
+    tensors = []
+    for spec in specs:
+        default = call.partition(":")[0] if call else None
+        obj = _resolve("--host-resident", spec, "MODULE:ATTR (or, with --call, an ATTR of its module)", default)
+        if not isinstance(obj, torch.Tensor):
+            raise ValueError(f"--host-resident {spec}: is {type(obj).__name__}, expected a torch.Tensor")
+        tensors.append(obj)
+    return tensors
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -213,6 +256,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--batch", type=positive_int, default=2, help="batch size of the model forward (default 2)")
     parser.add_argument("--no-attention-mask", action="store_true", help="call the model without attention_mask")
     parser.add_argument("--no-warm-up", action="store_true", help="capture the first call (default: warm up first)")
+    parser.add_argument("--host-resident", action="append", default=[], metavar="NAME",
+                        help="a tensor that lives in host memory on real hardware (CPU metadata), whose reads "
+                             "are legal and baked in: MODULE:ATTR, or with --call an ATTR of its module "
+                             "(repeatable)")
     args = parser.parse_args(argv)
     try:
         if args.call:
@@ -220,10 +267,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             fn, inputs, label = transformers_forward(args.model_config, tokens=args.tokens, batch=args.batch,
                                                      attention_mask=not args.no_attention_mask)
+        host_resident = _load_host_resident(args.host_resident, args.call)
     except (ValueError, ImportError) as exc:
         print(f"{parser.prog}: error: {exc}", file=sys.stderr)
         return 2
-    report = check_capture(fn, *inputs, warm_up=not args.no_warm_up, target=label)
+    report = check_capture(fn, *inputs, host_resident=host_resident, warm_up=not args.no_warm_up, target=label)
     sys.stdout.write(report.format())
     return 0 if report.clean else 1
 

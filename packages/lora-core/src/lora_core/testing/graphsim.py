@@ -28,7 +28,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ..graphs import simulated_capture
-from .rules import HostAccessMonitor, Violation
+from .rules import HostAccessMonitor, Violation, call_site
 
 __all__ = ["GraphSimulator", "CaptureError"]
 
@@ -131,7 +131,7 @@ class GraphSimulator:
         def synchronize(*args, **kwargs):
             self._on_violation(
                 Violation("device sync: torch.cuda.synchronize() is illegal during capture",
-                          "torch.cuda.synchronize", "capture")
+                          "torch.cuda.synchronize", call_site())
             )
 
         monitor = HostAccessMonitor(self._on_violation, self._on_op, self._on_host_read)

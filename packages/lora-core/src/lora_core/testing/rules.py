@@ -22,7 +22,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["Violation", "HostAccessMonitor", "function_rule", "dispatch_rule"]
+__all__ = ["Violation", "HostAccessMonitor", "call_site", "function_rule", "dispatch_rule"]
 
 # Tensor methods that read tensor data on the host, bypassing the dispatcher.
 _HOST_READ_METHODS = {
@@ -51,6 +51,19 @@ _SYNC_OPS = {
     "lift_fresh": "host data: a tensor built from Python data during capture is baked into the graph",
     "lift_fresh_copy": "host data: a tensor built from Python data during capture is baked into the graph",
 }
+
+# Ops that synchronize inside on CUDA although they return device tensors, with where PyTorch
+# does it (paths in the PyTorch repository, v2.13): the CPU simulator runs them without any
+# visible host read, so they are named here.
+_CUDA_SYNC_OPS = {
+    "_linalg_check_errors": (
+        "device sync: aten._linalg_check_errors reads the solver's status back to raise "
+        "(torch.linalg.cholesky, inv, solve, ... without _ex; use the _ex variant and check info later)",
+        "aten/src/ATen/native/BatchLinearAlgebra.cpp: _linalg_check_errors (info.cpu() / item)"),
+}
+# The _ex variants check too when asked (check_errors=True): same sync.
+_CHECKED_EX_OPS = ("linalg_cholesky_ex", "linalg_inv_ex", "linalg_solve_ex", "linalg_lu_factor_ex",
+                   "linalg_ldl_factor_ex")
 
 
 @dataclass(frozen=True)
@@ -94,8 +107,16 @@ def _copies_to_host(tensor: torch.Tensor, args: tuple, kwargs: dict) -> bool:
     if isinstance(target, str):
         return torch.device(target).type == "cpu"
     if isinstance(target, torch.device):
-        return target.type == "cpu" and target != tensor.device
+        if target.type != "cpu":
+            return False
+        # on the CPU simulator every device tensor is on the CPU: a torch.device("cpu") spelled at
+        # the call is the host, a tensor's own .device (t.to(x.device)) is not
+        return target != tensor.device or _names_the_host(call_site_line())
     return False
+
+
+def _names_the_host(line: str) -> bool:
+    return '"cpu"' in line or "'cpu'" in line
 
 
 def dispatch_rule(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> str | None:
@@ -106,8 +127,15 @@ def dispatch_rule(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> str
             f"opaque custom op: {func.namespace}::{packet} hides its host logic from the simulator; "
             "test it on real graph hardware or express it in aten ops"
         )
+    if packet in ("lift_fresh", "lift_fresh_copy") and args and isinstance(args[0], torch.Tensor) \
+            and args[0].dim() == 0:
+        return None  # torch.tensor(2.0): a Python number, baked like any scalar argument (docs/graph-simulator.md)
     if packet in _SYNC_OPS:
         return _SYNC_OPS[packet]
+    if packet in _CUDA_SYNC_OPS:
+        return _CUDA_SYNC_OPS[packet][0]
+    if packet in _CHECKED_EX_OPS and kwargs.get("check_errors", False):
+        return f"device sync: aten.{packet}(check_errors=True) reads the solver's status back to raise"
     if packet.startswith("unique") or packet in ("_unique", "_unique2"):
         return f"data-dependent shape: aten.{packet} sizes its output from device data"
     if packet in ("index", "_unsafe_index") and _has_bool_index(args[1] if len(args) > 1 else None):
@@ -126,13 +154,27 @@ _THIS_DIR = os.path.dirname(os.path.abspath(__file__))
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
 
 
-def _where() -> str:
-    """file:line of the innermost frame outside torch and this testing package."""
-    for frame in reversed(traceback.extract_stack()):
+def _caller_frame(frames: list[traceback.FrameSummary]) -> traceback.FrameSummary | None:
+    """The innermost of ``frames`` outside torch, this testing package and contextlib."""
+    for frame in reversed(frames):
         path = os.path.abspath(frame.filename)
         if not path.startswith((_THIS_DIR, _TORCH_DIR)) and "contextlib" not in path:
-            return f"{frame.filename}:{frame.lineno} in {frame.name}"
-    return "<unknown>"
+            return frame
+    return None
+
+
+def call_site(frames: list[traceback.FrameSummary] | None = None) -> str:
+    """``file:line in function`` of the code that made the current call (or of ``frames``, a
+    traceback's), skipping torch and this testing package."""
+    frame = _caller_frame(traceback.extract_stack() if frames is None else frames)
+    return "<unknown>" if frame is None else f"{frame.filename}:{frame.lineno} in {frame.name}"
+
+
+def call_site_line() -> str:
+    """The source line of :func:`call_site` (empty where the source is not available)."""
+    frame = _caller_frame(traceback.extract_stack())
+    return (frame.line or "") if frame is not None else ""
+
 
 
 class _FunctionLayer(TorchFunctionMode):
@@ -145,7 +187,7 @@ class _FunctionLayer(TorchFunctionMode):
         rule = function_rule(func, args, kwargs)
         if rule is None:
             return func(*args, **kwargs)
-        self.monitor._report(Violation(rule, f"Tensor.{getattr(func, '__name__', func)}", _where()), args)
+        self.monitor._report(Violation(rule, f"Tensor.{getattr(func, '__name__', func)}", call_site()), args)
         self.monitor._nested_host_read += 1
         try:
             return func(*args, **kwargs)
@@ -162,7 +204,7 @@ class _DispatchLayer(TorchDispatchMode):
         kwargs = kwargs or {}
         rule = dispatch_rule(func, args, kwargs)
         if rule is not None and not self.monitor._nested_host_read:
-            self.monitor._report(Violation(rule, str(func), _where()), args)
+            self.monitor._report(Violation(rule, str(func), call_site()), args)
         out = func(*args, **kwargs)
         self.monitor.on_op(func, args, kwargs, out)
         return out

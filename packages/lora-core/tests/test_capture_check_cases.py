@@ -1,0 +1,148 @@
+"""``lora-capture-check`` on planted functions: each capture bug kind is found at its file:line,
+and the clean idioms that look like bugs are not (docs/graph-simulator.md, "The capture check").
+
+Each planted function sits in ``planted.py``, written to a temporary directory, so that a
+finding's file:line can be checked against the line that holds the bug (``# BUG`` marks it).
+"""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from lora_core.testing.capture_check import check_capture, main
+
+PLANTED = textwrap.dedent('''
+    import torch
+
+    OFFSETS_CPU = torch.tensor([0, 3, 5])
+    WEIGHT = torch.eye(4) * 2 + torch.ones(4, 4)
+
+    def host_copy_by_device(x):
+        return x.to(torch.device("cpu")) * 2  # BUG host_copy_by_device
+
+    def cholesky(x):
+        return torch.linalg.cholesky(WEIGHT) @ x  # BUG cholesky
+
+    def inverse(x):
+        return torch.linalg.inv(WEIGHT) @ x  # BUG inverse
+
+    def checked_cholesky_ex(x):
+        return torch.linalg.cholesky_ex(WEIGHT, check_errors=True)[0] @ x  # BUG checked_cholesky_ex
+
+    def synchronizes(x):
+        y = x * 2
+        torch.cuda.synchronize()  # BUG synchronizes
+        return y
+
+    def tensor_from_a_list(x):
+        return x[:3] * torch.tensor([1.0, 2.0, 3.0])[:, None]  # BUG tensor_from_a_list
+
+    def nonzero_without_size(x):
+        return x[(x[:, 0] > 0).nonzero()[:, 0]]  # BUG nonzero_without_size
+
+    def warm_up_raises(x):
+        raise RuntimeError("no such layer")  # BUG warm_up_raises
+
+    def to_its_own_device(x):
+        return x.to(WEIGHT.device) @ WEIGHT
+
+    def scalar_constant(x):
+        return x * torch.tensor(2.0)
+
+    def unchecked_cholesky_ex(x):
+        return torch.linalg.cholesky_ex(WEIGHT)[0] @ x
+
+    def reads_cpu_metadata(x):
+        start, stop = OFFSETS_CPU[1:].tolist()
+        return x[start:stop]
+
+    def step():
+        return reads_cpu_metadata(torch.ones(5, 4))
+''')
+
+BUGS = {  # planted function -> the rule's start
+    "host_copy_by_device": "host read: Tensor.to('cpu')",
+    "cholesky": "device sync: aten._linalg_check_errors",
+    "inverse": "device sync: aten._linalg_check_errors",
+    "checked_cholesky_ex": "device sync: aten.linalg_cholesky_ex(check_errors=True)",
+    "synchronizes": "device sync: torch.cuda.synchronize()",
+    "tensor_from_a_list": "host data: a tensor built from Python data",
+    "nonzero_without_size": "data-dependent shape: aten.nonzero",
+    "warm_up_raises": "the warm-up call raised (eager, before any capture): RuntimeError: no such layer",
+}
+CLEAN = ("to_its_own_device", "scalar_constant", "unchecked_cholesky_ex")
+
+
+@pytest.fixture(scope="module")
+def planted(tmp_path_factory):
+    root = tmp_path_factory.mktemp("planted")
+    (root / "planted.py").write_text(PLANTED)
+    sys.path.insert(0, str(root))
+    try:
+        import planted
+
+        yield planted, root / "planted.py"
+    finally:
+        sys.path.remove(str(root))
+        sys.modules.pop("planted", None)
+
+
+def _line_of(path: Path, name: str) -> int:
+    return next(i for i, line in enumerate(path.read_text().splitlines(), 1) if line.endswith(f"# BUG {name}"))
+
+
+@pytest.mark.parametrize("warm_up", [True, False])
+@pytest.mark.parametrize("name", sorted(BUGS))
+def test_each_bug_kind_is_found_at_its_line(planted, name, warm_up):
+    module, path = planted
+    if name == "warm_up_raises" and not warm_up:
+        pytest.skip("without a warm-up the exception is the capture's (aborted)")
+    report = check_capture(getattr(module, name), torch.ones(4, 4), warm_up=warm_up)
+    assert not report.clean
+    where = f"{path}:{_line_of(path, name)} in {name}"
+    assert [(f.rule.startswith(BUGS[name]), f.where) for f in report.findings] == [(True, where)], report.format()
+
+
+@pytest.mark.parametrize("name", CLEAN)
+def test_clean_idioms_are_not_flagged(planted, name):
+    module, _ = planted
+    report = check_capture(getattr(module, name), torch.ones(4, 4))
+    assert report.clean, report.format()
+
+
+def test_cpu_metadata_declared_host_resident_is_not_flagged(planted):
+    module, path = planted
+    undeclared = check_capture(module.reads_cpu_metadata, torch.ones(5, 4))
+    assert [f.op for f in undeclared.findings] == ["Tensor.tolist"]
+    assert check_capture(module.reads_cpu_metadata, torch.ones(5, 4), host_resident=[module.OFFSETS_CPU]).clean
+
+
+def test_the_command_line_declares_host_resident_tensors(planted, capsys):
+    assert main(["--call", "planted:step"]) == 1
+    assert "Tensor.tolist" in capsys.readouterr().out
+    assert main(["--call", "planted:step", "--host-resident", "OFFSETS_CPU"]) == 0
+    assert main(["--call", "planted:step", "--host-resident", "planted:OFFSETS_CPU"]) == 0
+    capsys.readouterr()
+    assert main(["--call", "planted:step", "--host-resident", "NOPE"]) == 2
+    assert capsys.readouterr().err.strip() == "lora-capture-check: error: --host-resident NOPE: planted has no attribute NOPE"
+    assert main(["--call", "planted:step", "--host-resident", "step"]) == 2
+    assert "--host-resident step: is function, expected a torch.Tensor" in capsys.readouterr().err
+
+
+def test_a_warm_up_that_raises_is_one_finding_and_exit_1_without_a_traceback(planted, capsys):
+    assert main(["--call", "planted:step_that_raises"]) == 2  # not a function of the module
+    capsys.readouterr()
+    module, path = planted
+    module.step_that_raises = lambda: module.warm_up_raises(torch.ones(1))
+    try:
+        assert main(["--call", "planted:step_that_raises"]) == 1
+    finally:
+        del module.step_that_raises
+    out, err = capsys.readouterr()
+    assert "Traceback" not in out + err
+    assert f"{path}:{_line_of(path, 'warm_up_raises')} in warm_up_raises" in out
