@@ -5,7 +5,8 @@ each row of a mixed batch (three adapters of different ranks and targets, and a
 base-model row) equals PEFT's output for that row with only its adapter loaded, or
 the base model for the base row. Mixtral, Qwen3-MoE and Qwen2-MoE (whose experts are
 transformers' fused ``gate_up_proj`` / ``down_proj``; Qwen2-MoE's shared expert, an
-ordinary MLP, targeted as modules) in fp32 at the fp32 tolerance, and Mixtral in
+ordinary MLP, targeted as modules) and gpt-oss (experts stored ``(E, in, out)`` with
+biases, gate and up interleaved, its clamped SwiGLU) in fp32 at the fp32 tolerance, and Mixtral in
 bf16 at the bf16 one (LoRA in bf16, and in fp32 with ``lora_dtype``); greedy
 ``generate()`` with left padding; a graph-mode forward (captured with batch A,
 replayed with batch B) equal to eager; and ``examples/bench_moe.py --smoke`` checks
@@ -54,6 +55,16 @@ def _base_model(kind, dtype=torch.float32):
                                              num_experts_per_tok=2, shared_expert_intermediate_size=40,
                                              decoder_sparse_step=1, norm_topk_prob=True, **SMALL)
         model = transformers.Qwen2MoeForCausalLM(config)
+    elif kind == "gpt_oss":  # experts stored (E, in, out), biased, gate/up interleaved, clamped SwiGLU
+        config = transformers.GptOssConfig(intermediate_size=24, num_local_experts=4, num_experts_per_tok=2,
+                                           head_dim=8, sliding_window=8, **SMALL)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # its default RoPE scaling assumes a longer context
+            model = transformers.GptOssForCausalLM(config)
+        with torch.no_grad():  # the biases start at zero: make them count
+            for name, param in model.named_parameters():
+                if name.endswith("_proj_bias"):
+                    param.normal_(0, 0.1, generator=torch.Generator().manual_seed(len(name)))
     else:
         config = transformers.Qwen3MoeConfig(intermediate_size=64, moe_intermediate_size=24, num_experts=6,
                                              num_experts_per_tok=2, decoder_sparse_step=1, head_dim=8,
@@ -76,7 +87,7 @@ def _save_adapter(kind, base, name, path):
         model.save_pretrained(str(path))
 
 
-@pytest.fixture(scope="module", params=["mixtral", "qwen3_moe", "qwen2_moe"])
+@pytest.fixture(scope="module", params=["mixtral", "qwen3_moe", "qwen2_moe", "gpt_oss"])
 def served(request, tmp_path_factory):
     """(kind, base model, adapter name -> directory, adapter name -> PEFT model with only it)."""
     kind = request.param
@@ -170,8 +181,8 @@ def test_bf16_logits_are_within_the_bf16_tolerance(backend, lora_dtype, served):
 @pytest.mark.parametrize("backend", available_backends())
 def test_graph_mode_captured_with_one_batch_replays_another_as_eager(device, backend, served):
     kind, base, paths, _ = served
-    if kind != "mixtral" or device.torch_device.type != "cpu":
-        pytest.skip("one model family on the CPU device kinds")
+    if kind not in ("mixtral", "gpt_oss") or device.torch_device.type != "cpu":
+        pytest.skip("two experts layouts on the CPU device kinds")
     batches = [([3, 5, 4], ["sql", "chat", None]), ([6, 2, 4], ["math", "sql", "chat"])]
     T = 12
     ids = torch.randint(3, SMALL["vocab_size"], (1, T), generator=torch.Generator().manual_seed(2))
@@ -220,3 +231,70 @@ def test_bench_moe_smoke_checks_and_times_every_variant(capsys, tmp_path):
                 "| decode | lora-kit ascend |"):
         assert row in out
     assert (tmp_path / "bench.json").is_file()
+
+
+def _gpt_oss_experts():
+    experts = _base_model("gpt_oss").model.layers[0].mlp.experts
+    return experts
+
+
+@pytest.mark.parametrize("backend", available_backends())
+def test_gpt_oss_experts_on_base_rows_equal_the_module_biases_and_mask_id_included(backend):
+    """Wrapped directly, with every row on the base model: the module's own output, its
+    biases added once per (token, expert) pair and nothing for the expert-parallel mask id E
+    (the module skips it), called positionally (as GptOssMLP calls it) or with the
+    forward's own keyword names."""
+    from lora_core import build_batch_info, get_backend
+    from lora_layers.layers import ExpertsLayout, LoRAContext
+
+    experts = _gpt_oss_experts()
+    layer = ExpertsWithLoRA(experts, LoRAContext(get_backend(backend)("cpu"), num_slots=2, max_rank=4,
+                                                 dtype=torch.float32, device=torch.device("cpu")))
+    assert layer.layout == ExpertsLayout(transposed=True, bias=True, interleaved=True)
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(6, SMALL["hidden_size"], generator=gen)
+    ids = torch.randint(0, 4, (6, 2), generator=gen)
+    ids[2, 1] = 4  # the mask id: no expert
+    weights = torch.softmax(torch.randn(6, 2, generator=gen), dim=-1)
+    layer.context.backend.prepare_batch(build_batch_info([4, 2], [None, None], [4, 2], [1.0, 1.0], device="cpu"))
+    with torch.no_grad():
+        want = torch.zeros_like(x)  # gpt-oss's eager loop, pair by pair (its grouped-GEMM dispatch has no mask id)
+        for t, k in ((t, k) for t in range(6) for k in range(2) if ids[t, k] < 4):
+            e = ids[t, k]
+            h = experts._apply_gate(x[t] @ experts.gate_up_proj[e] + experts.gate_up_proj_bias[e])
+            want[t] += weights[t, k] * (h @ experts.down_proj[e] + experts.down_proj_bias[e])
+        got = layer(x, router_indices=ids, routing_weights=weights)
+        positional = layer(x, ids, weights)
+        unmasked = ids.clamp(max=3)
+        module = experts(x, unmasked, weights)  # transformers' experts dispatch takes them positionally
+        wrapped = layer(x, unmasked, weights)
+    rtol, atol = TOLERANCES[torch.float32]
+    torch.testing.assert_close(got, want, rtol=rtol, atol=atol)
+    torch.testing.assert_close(positional, want, rtol=rtol, atol=atol)
+    torch.testing.assert_close(wrapped, module, rtol=rtol, atol=atol)
+
+
+def test_experts_layouts_the_wrappers_cannot_run_are_refused_saying_why():
+    from lora_core import get_backend
+    from lora_layers.layers import LoRAContext, ParallelExpertsWithLoRA
+    from lora_layers.parallel import TensorParallel
+
+    context = LoRAContext(get_backend("torch_native")("cpu"), num_slots=1, max_rank=2, dtype=torch.float32,
+                          device=torch.device("cpu"))
+    no_gate = _gpt_oss_experts()
+    no_gate.has_gate = False
+    with pytest.raises(TypeError, match=r"cannot wrap GptOssExperts: experts without a gate \(has_gate=False\)"):
+        ExpertsWithLoRA(no_gate, context)
+    no_bias = _gpt_oss_experts()
+    del no_bias.gate_up_proj_bias
+    with pytest.raises(TypeError, match=r"experts with a bias \(has_bias\) need gate_up_proj_bias \(4, 48\)"):
+        ExpertsWithLoRA(no_bias, context)
+    interleaved = _gpt_oss_experts()
+    interleaved._apply_gate = None
+    interleaved.act_fn = torch.nn.functional.silu
+    with pytest.raises(TypeError, match=r"gate and up interleaved \(is_concatenated=False\) need the module's "
+                                        r"_apply_gate"):
+        ExpertsWithLoRA(interleaved, context)
+    with pytest.raises(TypeError, match=r"ParallelExpertsWithLoRA shards experts in the \(E, out, in\) layout .* "
+                                        r"GptOssExperts has ExpertsLayout\(transposed=True, bias=True"):
+        ParallelExpertsWithLoRA(_gpt_oss_experts(), context, TensorParallel(0, 1))

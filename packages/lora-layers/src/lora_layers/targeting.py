@@ -23,7 +23,8 @@ from lora_core import AdapterFormatError, PeftAdapter
 from lora_core.adapter_config import matched_modules
 from lora_core.adapters import LoRAModuleWeights, SavedModuleWeights
 
-from .layers import WHOLE_MODULE, LayerKind, LoRAContext, WrapTarget, is_conv1d, parameter_layer_kind, wrap_module
+from .layers import (WHOLE_MODULE, ExpertsLayout, LayerKind, LoRAContext, WrapTarget, is_conv1d, parameter_layer_kind,
+                     wrap_module)
 from .packing import infer_slice_widths
 
 __all__ = ["TargetModules", "output_embedding_name", "name_parameter_targets"]
@@ -55,9 +56,12 @@ def name_parameter_targets(name: str, adapter: PeftAdapter, modules: Mapping[str
     for key, weights in named.modules.items():
         module, _, parameter = key.rpartition(".")
         if weights.kind == "experts" and parameter_layer_kind(modules[module], parameter, WrapTarget(module)) is None:
+            layout = ExpertsLayout.of(modules[module])
+            why = f"{layout}; " if isinstance(layout, str) else ""
             raise AdapterFormatError(
                 f"adapter {name!r} targets parameter {key!r} ({type(modules[module]).__name__}), which lora-kit has "
-                "no wrapper for: target_parameters are served on fused experts modules (gate_up_proj, down_proj)")
+                f"no wrapper for: {why}target_parameters are served on fused experts modules (gate_up_proj, "
+                "down_proj)")
     return named
 
 

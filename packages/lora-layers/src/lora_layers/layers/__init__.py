@@ -32,7 +32,7 @@ from .context import LoRAContext, WrapTarget, flatten_tokens, inference_forward
 from .conv1d import Conv1DWithLoRA, is_conv1d
 from .dispatch import LAYER_TYPES, LayerKind, parameter_layer_kind, wrap_module
 from .embedding import EmbeddingWithLoRA
-from .experts import ExpertsWithLoRA
+from .experts import ExpertsLayout, ExpertsWithLoRA
 from .linear import LinearWithLoRA, SliceWeights
 from .lm_head import LMHeadWithLoRA
 from .parallel_experts import ParallelExpertsWithLoRA
@@ -45,6 +45,7 @@ __all__ = [
     "ColumnParallelLinearWithLoRA",
     "Conv1DWithLoRA",
     "EmbeddingWithLoRA",
+    "ExpertsLayout",
     "ExpertsWithLoRA",
     "LMHeadWithLoRA",
     "LayerKind",

@@ -2,7 +2,8 @@
 
 ``expert_projection(x (T, K, in), expert_ids (T, K), weight (E, out, in))`` ->
 ``(T, K, out)``: ``x[t, k] @ weight[expert_ids[t, k]].T``, zero for ids outside
-``[0, E)`` (an expert-parallel mask). Three ways, the same numbers:
+``[0, E)`` (an expert-parallel mask); ``transposed=True`` takes ``weight (E, in, out)``
+(gpt-oss's layout) as it is. Three ways, the same numbers:
 
 * a grouped GEMM over the pairs sorted by expert (``torch._grouped_mm``), where the
   device's platform prefers it (the CPU), for contiguous weights with 16-byte aligned
@@ -31,9 +32,13 @@ _CHUNK_ELEMENTS = 1 << 24
 
 
 def expert_projection(x: torch.Tensor, expert_ids: torch.Tensor, weight: torch.Tensor, *,
-                      graph_safe: bool) -> torch.Tensor:
+                      graph_safe: bool, transposed: bool = False) -> torch.Tensor:
+    """``x (T, K, in)``, ``expert_ids (T, K)``, ``weight (E, out, in)`` (``transposed``: ``(E, in,
+    out)``, as gpt-oss stores its experts; used as it is, never copied) -> ``(T, K, out)``."""
     T, K, in_features = x.shape
-    E, out_features = weight.shape[0], weight.shape[1]
+    E = weight.shape[0]
+    out_features = weight.shape[2] if transposed else weight.shape[1]
+    weight_t = weight if transposed else weight.transpose(1, 2)  # (E, in, out), a view
     P = T * K
     ids = expert_ids.reshape(P).long()
     valid = (ids >= 0) & (ids < E)
@@ -48,12 +53,12 @@ def expert_projection(x: torch.Tensor, expert_ids: torch.Tensor, weight: torch.T
         order = torch.argsort(safe, stable=True)
         counts = torch.zeros(E, dtype=torch.int32, device=x.device).index_add_(
             0, safe, torch.ones_like(safe, dtype=torch.int32))
-        sorted_out = torch._grouped_mm(xs.index_select(0, order).contiguous(), weight.transpose(1, 2),
+        sorted_out = torch._grouped_mm(xs.index_select(0, order).contiguous(), weight_t,
                                        offs=torch.cumsum(counts, 0, dtype=torch.int32))
         out = torch.empty_like(sorted_out).index_copy_(0, order, sorted_out)
     elif graph_safe:
         chunk = max(1, _CHUNK_ELEMENTS // (in_features * out_features))
-        out = torch.cat([torch.bmm(weight.index_select(0, safe[s : s + chunk]), xs[s : s + chunk, :, None])[..., 0]
+        out = torch.cat([torch.bmm(xs[s : s + chunk, None, :], weight_t.index_select(0, safe[s : s + chunk]))[:, 0]
                          for s in range(0, P, chunk)])
     else:
         out = xs.new_zeros(P, out_features)
@@ -66,5 +71,5 @@ def expert_projection(x: torch.Tensor, expert_ids: torch.Tensor, weight: torch.T
         for expert, (n, end) in enumerate(zip(counts, ends)):
             if n:  # an expert the router picked
                 rows = order[end - n : end]
-                out.index_copy_(0, rows, xs.index_select(0, rows) @ weight[expert].T)
+                out.index_copy_(0, rows, xs.index_select(0, rows) @ weight_t[expert])
     return torch.where(valid[:, None], out, 0).view(T, K, out_features)

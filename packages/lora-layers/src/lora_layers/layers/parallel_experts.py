@@ -17,7 +17,7 @@ from torch import nn
 
 from ..parallel import TensorParallel, shard_range
 from .context import LoRAContext
-from .experts import ExpertsWithLoRA
+from .experts import ExpertsLayout, ExpertsWithLoRA
 
 __all__ = ["ParallelExpertsWithLoRA"]
 
@@ -32,6 +32,10 @@ class ParallelExpertsWithLoRA(ExpertsWithLoRA):
 
     def __init__(self, base_layer: nn.Module, context: LoRAContext, tp: TensorParallel) -> None:
         super().__init__(base_layer, context)
+        if self.layout != ExpertsLayout(transposed=False, bias=False, interleaved=False):
+            raise TypeError(f"{type(self).__name__} shards experts in the (E, out, in) layout with gate rows then up "
+                            f"rows and no biases; {type(base_layer).__name__} has {self.layout} (a bias would be "
+                            "added once per process, before the all-reduce)")
         self.tp = tp
         self._cols = shard_range(self.intermediate_size * tp.size, tp.rank, tp.size)
 
