@@ -125,7 +125,8 @@ def check_capture(fn: Callable[..., Any], *inputs: Any, host_resident: Sequence[
     """Capture ``fn(*inputs)`` once on the lenient graph simulator and report every violation.
 
     ``warm_up``: run ``fn`` eagerly first (as the graph harnesses do), so lazy set-up is not
-    counted; ``host_resident``: tensors that live in host memory on real hardware (their
+    counted, and capture it a second time to compare what the two captures baked in (host
+    data that changes between calls: "stale host state"); ``host_resident``: tensors that live in host memory on real hardware (their
     reads are allowed); ``target``: the name in the report (``fn``'s qualified name by default).
     An exception raised under capture is reported as ``aborted``, not raised.
     """
@@ -142,7 +143,44 @@ def check_capture(fn: Callable[..., Any], *inputs: Any, host_resident: Sequence[
         sim.capture(fn, *inputs)
     except Exception as exc:  # the report says where the capture stopped
         aborted = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-    return CaptureReport(name, _findings(sim.violations), sim.num_ops, aborted)
+    findings = _findings(sim.violations)
+    if aborted is None and warm_up:  # without a warm-up the first capture holds first-call set-up too
+        findings += _second_capture_differs(fn, inputs, host_resident, sim.recorded_ops())
+    return CaptureReport(name, findings, sim.num_ops, aborted)
+
+
+def _second_capture_differs(fn: Callable[..., Any], inputs: tuple, host_resident: Sequence[torch.Tensor],
+                            first: list[tuple[str, tuple]]) -> tuple[Finding, ...]:
+    """Capture ``fn`` again and compare what the two captures baked in. A call that reads host
+    data which changes from call to call (a Python list or counter, the next request's length)
+    records other shapes or constants the second time: a real graph would replay the first
+    call's values on every step. In-place updates of tensors do not show here (the same ops
+    on the same shapes), so a step that writes its buffers is not flagged."""
+    again = GraphSimulator(strict=False, host_resident=host_resident)
+    try:
+        again.capture(fn, *inputs)
+    except Exception as exc:  # the first capture ran: the second one failing is the same kind of finding
+        message = str(exc).splitlines()[0] if str(exc) else ""
+        return (Finding("stale host state: a second capture of the call raised "
+                        f"({type(exc).__name__}: {message}) where the first did not", type(exc).__name__,
+                        "second capture", 1),)
+    second = again.recorded_ops()
+    for i, (a, b) in enumerate(zip(first, second)):
+        if a != b:
+            return (Finding(f"stale host state: a second capture recorded other constants or shapes at op {i + 1} "
+                            f"of {len(first)} ({a[0]}): the call reads host data that changes between calls (a "
+                            "Python list or number); a graph replays the first call's values", a[0],
+                            f"op {i + 1}: {_short_args(a[1])} then {_short_args(b[1])}", 1),)
+    if len(first) != len(second):
+        return (Finding(f"stale host state: a second capture recorded {len(second)} ops where the first recorded "
+                        f"{len(first)}: the call branches on host data that changes between calls", "capture",
+                        "second capture", 1),)
+    return ()
+
+
+def _short_args(signature: tuple, limit: int = 80) -> str:
+    text = repr(signature)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _warm_up(fn: Callable[..., Any], inputs: tuple) -> Finding | None:

@@ -68,6 +68,16 @@ def _write_back(captured: Any, fresh: Any, func: torch._ops.OpOverload) -> None:
     # Python scalars are baked into the ops that consumed them, as on real hardware.
 
 
+def _signature(value: Any) -> Any:
+    """``value`` with tensors as ``(shape, dtype)`` and other leaves as their ``repr`` (so a NaN
+    constant equals itself)."""
+    if isinstance(value, torch.Tensor):
+        return ("tensor", tuple(value.shape), value.dtype)
+    if isinstance(value, (list, tuple)):
+        return tuple(_signature(v) for v in value)
+    return repr(value)
+
+
 class GraphSimulator:
     """Simulated graph capture on any device (CPU in CI).
 
@@ -109,6 +119,13 @@ class GraphSimulator:
     def num_ops(self) -> int:
         """Aten ops on the tape (what a replay launches, views included)."""
         return len(self._tape)
+
+    def recorded_ops(self) -> list[tuple[str, tuple]]:
+        """What the capture baked in, op by op: the op and its arguments, each tensor as its
+        shape and dtype and every other argument (a Python number, a size, a dtype) by value.
+        Two captures of one call differ here only if the call read host data that changed
+        between them."""
+        return [(str(step.func), _signature((step.args, sorted(step.kwargs.items())))) for step in self._tape]
 
     def _on_violation(self, violation: Violation) -> None:
         self.violations.append(violation)
