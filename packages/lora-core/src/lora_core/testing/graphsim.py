@@ -68,14 +68,27 @@ def _write_back(captured: Any, fresh: Any, func: torch._ops.OpOverload) -> None:
     # Python scalars are baked into the ops that consumed them, as on real hardware.
 
 
+_BY_VALUE = (bool, int, float, complex, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
+
+
 def _signature(value: Any) -> Any:
-    """``value`` with tensors as ``(shape, dtype)`` and other leaves as their ``repr`` (so a NaN
-    constant equals itself)."""
+    """``value`` with tensors as ``(shape, dtype)``, Python numbers, strings, dtypes and devices
+    by value (their ``repr``: a NaN constant equals itself), and any other object by its type
+    (a generator made on each call is the same argument each time)."""
     if isinstance(value, torch.Tensor):
         return ("tensor", tuple(value.shape), value.dtype)
     if isinstance(value, (list, tuple)):
         return tuple(_signature(v) for v in value)
-    return repr(value)
+    return repr(value) if isinstance(value, _BY_VALUE) else type(value).__qualname__
+
+
+def _host_values(step: _Step) -> tuple:
+    """The Python data a step lifted into a tensor (``torch.tensor(step)``): a constant of the
+    graph, compared by value."""
+    if step.func.overloadpacket.__name__ in ("lift_fresh", "lift_fresh_copy") and step.args \
+            and isinstance(step.args[0], torch.Tensor):
+        return (repr(step.args[0].tolist()),)
+    return ()
 
 
 class GraphSimulator:
@@ -125,7 +138,8 @@ class GraphSimulator:
         shape and dtype and every other argument (a Python number, a size, a dtype) by value.
         Two captures of one call differ here only if the call read host data that changed
         between them."""
-        return [(str(step.func), _signature((step.args, sorted(step.kwargs.items())))) for step in self._tape]
+        return [(str(step.func), _signature((step.args, sorted(step.kwargs.items()))) + _host_values(step))
+                for step in self._tape]
 
     def _on_violation(self, violation: Violation) -> None:
         self.violations.append(violation)

@@ -14,6 +14,7 @@ the graph simulator and the launch counter share it.
 from __future__ import annotations
 
 import os
+import re
 import traceback
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -62,8 +63,8 @@ _CUDA_SYNC_OPS = {
         "aten/src/ATen/native/BatchLinearAlgebra.cpp: _linalg_check_errors (info.cpu() / item)"),
 }
 # The _ex variants check too when asked (check_errors=True): same sync.
-_CHECKED_EX_OPS = ("linalg_cholesky_ex", "linalg_inv_ex", "linalg_solve_ex", "linalg_lu_factor_ex",
-                   "linalg_ldl_factor_ex")
+_CHECKED_EX_OPS = ("linalg_cholesky_ex", "linalg_inv_ex", "_linalg_solve_ex", "linalg_lu_factor_ex",
+                   "linalg_ldl_factor_ex")  # as dispatched: torch.linalg.solve_ex reaches aten._linalg_solve_ex
 
 
 @dataclass(frozen=True)
@@ -91,17 +92,37 @@ def function_rule(func: Callable, args: tuple, kwargs: dict) -> str | None:
         return _HOST_READ_METHODS[name]
     if name == "to" and args and isinstance(args[0], torch.Tensor) and _copies_to_host(args[0], args, kwargs):
         return "host read: Tensor.to('cpu') copies device data to the host"
+    if name in _FROM_PYTHON_DATA and _onto_a_device(kwargs.get("device")):
+        return (f"host data: torch.{name}(..., device=...) copies Python data to the device during capture "
+                "(a copy from pageable memory: the capture fails); build it before the capture")
     return None
+
+
+_FROM_PYTHON_DATA = ("tensor", "as_tensor", "scalar_tensor")
+
+
+def _onto_a_device(device: object) -> bool:
+    """Whether a factory's ``device=`` puts the tensor on a device. On the CPU simulator the
+    device tensors are on the CPU too: a CPU device counts as the host only when the calling
+    line spells it (``device="cpu"``, ``torch.device("cpu")``)."""
+    if device is None:
+        return False
+    if isinstance(device, str):
+        return torch.device(device).type != "cpu"
+    if isinstance(device, torch.device) and device.type == "cpu":
+        return not _names_the_host(call_site_line())
+    return True
 
 
 def _copies_to_host(tensor: torch.Tensor, args: tuple, kwargs: dict) -> bool:
     """Whether ``tensor.to(...)`` is a copy to the host.
 
     The string ``"cpu"`` always is (the code means the host, whatever the simulator runs
-    on); a ``torch.device`` is only when it differs from the tensor's own device:
-    ``t.to(x.device)`` onto the device ``t`` already lives on copies nothing. On the CPU
-    simulator that makes ``t.to(torch.device("cpu"))`` look like a no-op (a false negative:
-    docs/graph-simulator.md).
+    on); a ``torch.device`` is when it differs from the tensor's own device, or, on the CPU
+    simulator where device tensors are on the CPU too, when the calling line spells
+    ``device("cpu")``: ``t.to(x.device)`` onto the device ``t`` already lives on copies nothing.
+    A CPU device object built elsewhere and passed in is a false negative
+    (docs/graph-simulator.md).
     """
     target = kwargs.get("device", args[1] if len(args) > 1 else None)
     if isinstance(target, str):
@@ -115,8 +136,12 @@ def _copies_to_host(tensor: torch.Tensor, args: tuple, kwargs: dict) -> bool:
     return False
 
 
+_HOST_DEVICE = re.compile(r"""device\(\s*["']cpu["']|device\s*=\s*["']cpu["']""")
+
+
 def _names_the_host(line: str) -> bool:
-    return '"cpu"' in line or "'cpu'" in line
+    """Whether a source line spells the host as a device: ``torch.device("cpu")``, ``device="cpu"``."""
+    return _HOST_DEVICE.search(line) is not None
 
 
 def dispatch_rule(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> str | None:
