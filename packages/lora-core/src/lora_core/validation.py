@@ -36,6 +36,8 @@ __all__ = [
     "normalize_slice_offsets",
     "check_token_ids",
     "check_experts_lora_inputs",
+    "check_dora_scale_inputs",
+    "check_offsets_readable",
 ]
 
 
@@ -173,11 +175,13 @@ def _check_ranks(batch_info: BatchInfo, max_rank: int) -> None:
 
 
 def check_offsets_readable(slice_offsets: Sequence[int] | torch.Tensor) -> None:
-    """Refuse a tensor of ``slice_offsets`` inside a graph capture or ``torch.compile``: its
-    values would have to be read on the host there (a sync, then a constant of the graph)."""
-    if isinstance(slice_offsets, torch.Tensor) and (is_capturing() or tracing_for_compile()):
-        raise ValueError("slice_offsets is a tensor inside a graph capture or torch.compile, where its values "
-                         "cannot be read; pass Python ints, e.g. (0, 6, 10)")
+    """Refuse a tensor of ``slice_offsets`` under ``torch.compile``, which cannot guard on its
+    values. (A CUDA graph capture may read it: it is a CPU tensor, host data whose values
+    become constants of the graph, like ints; the CPU simulator needs it declared
+    ``host_resident``, as for any host metadata.)"""
+    if isinstance(slice_offsets, torch.Tensor) and tracing_for_compile():
+        raise ValueError("slice_offsets is a tensor inside torch.compile, which cannot guard on its values; "
+                         "pass Python ints, e.g. (0, 6, 10)")
 
 
 def normalize_slice_offsets(slice_offsets: Sequence[int] | torch.Tensor) -> tuple[int, ...]:
@@ -342,7 +346,7 @@ def check_dora_scale_inputs(output: torch.Tensor, factors: torch.Tensor, batch_i
                             bias: torch.Tensor | None) -> None:
     """``run_dora_scale``'s inputs, checked like every other op's (no device read): ``output
     (T, out)`` of a supported float dtype on the batch's device, ``factors (L, out)`` float32,
-    ``bias (out,)`` a tensor of ``output``'s dtype and device, or ``None``."""
+    ``bias (out,)`` a floating-point tensor on ``output``'s device, or ``None``."""
     _check_tensor("output", output, 2)
     check_float_dtype("output", output.dtype)
     _check_tensor("factors", factors, 2)
@@ -359,7 +363,10 @@ def check_dora_scale_inputs(output: torch.Tensor, factors: torch.Tensor, batch_i
     if factors.device != output.device:
         raise ValueError(f"factors is on {factors.device} but output is on {output.device}")
     if bias is not None:
-        _check_same("bias", bias, "output", output.dtype, output.device)
+        if not bias.is_floating_point():  # any float dtype: the rescale computes in float32
+            raise ValueError(f"bias must be a floating-point tensor, got {_describe(bias)}")
+        if bias.device != output.device:
+            raise ValueError(f"bias is on {bias.device} but output is on {output.device}")
         if bias.shape != (out_features,):
             raise ValueError(f"bias must have shape ({out_features},), got {_describe(bias)}")
 
