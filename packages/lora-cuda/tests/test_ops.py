@@ -45,12 +45,18 @@ def _linear_case(seed, num_slices, dtype, device, *, num_tokens=None, in_feature
     return pair, a, b, offsets, x, base
 
 
-def _check_linear(device, pair, a, b, offsets, x, base, dtype):
+def _check_linear(device, pair, a, b, offsets, x, base, dtype, *, strided=False):
+    """``strided``: the expand adds into a column view of a wider tensor (one slice of a packed output)."""
     num_slices = len(offsets) - 1
 
     def layer(info, x, base):
         shrunk = sgemm_lora_a_fwd(x, a, info, num_slices)
-        return shrunk, sgemm_lora_b_fwd(shrunk, b, info, offsets, base.clone())
+        if not strided:
+            return shrunk, sgemm_lora_b_fwd(shrunk, b, info, offsets, base.clone())
+        wide = torch.cat([base, base[:, :8]], dim=1)  # base's columns, then 8 more
+        view = wide[:, : offsets[-1]]
+        sgemm_lora_b_fwd(shrunk, b, info, offsets, view)
+        return shrunk, view
 
     (shrink_a, out_a), (shrink_b, out_b) = pair.run(device, layer, x, base)
     for (shrunk, out), ref in zip([(shrink_a, out_a), (shrink_b, out_b)], pair.reference_infos()):
@@ -102,9 +108,10 @@ def _requests_of(rng, rows_per_slot):
     return [n for n, _ in requests], [slot for _, slot in requests]
 
 
+@pytest.mark.parametrize("strided", [False, True], ids=["contiguous-out", "strided-out"])
 @pytest.mark.parametrize("num_slices", [1, 3])
 @pytest.mark.parametrize("num_chunks, partial_rows", [(3, 37), (2, 0)], ids=["partial-last-chunk", "full-chunks"])
-def test_batches_of_several_grouped_kernel_chunks(device, num_chunks, partial_rows, num_slices):
+def test_batches_of_several_grouped_kernel_chunks(device, num_chunks, partial_rows, num_slices, strided):
     # on CPU the grouped kernel works in chunks of CHUNK_ROWS sorted rows, each slot's group cut at the chunk
     # boundaries: slot groups that cross them, active rows in every chunk, mixed ranks (rank 0, slot -1),
     # captured on one batch and replayed on another
@@ -131,7 +138,7 @@ def test_batches_of_several_grouped_kernel_chunks(device, num_chunks, partial_ro
         assert cpu_info.plan_types == (SortedPlan,)  # no layer fell back to the blocked kernel's plan
         assert len(cpu_info.plan(SortedPlan).chunks) == num_chunks
         assert slot_order(cpu_info).num_active > (num_chunks - 1) * CHUNK_ROWS
-    _check_linear(device, pair, a, b, offsets, x, base, torch.float32)
+    _check_linear(device, pair, a, b, offsets, x, base, torch.float32, strided=strided)
 
 
 @pytest.mark.parametrize("use_graph", [False, True], ids=["eager", "graph"])

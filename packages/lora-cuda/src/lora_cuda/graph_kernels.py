@@ -23,8 +23,9 @@ the batch info builds on first request and refills in place with the batch:
   per slot); gather the blocks' rows and their slots' weights and run one ``bmm``
   (:mod:`lora_cuda.block_kernels`, shared with the eager slot blocks).
 
-Either way the shrink is scaled and masked by rank and scattered back with
-``index_add``; the expand runs once per slice and accumulates into the output.
+Either way the shrink is scaled and masked by rank and each row's result gathered
+back; the expand runs once per slice and accumulates into the output (into a strided
+output through :mod:`lora_cuda.row_updates`).
 Embedding: one 3-D gather ``A[slot, :, id]`` per token (all ranks at once).
 
 The kernel preference (``kernel=``, see :data:`GRAPH_KERNELS`) is an argument of
@@ -45,7 +46,7 @@ from lora_core.platforms import platform_for
 
 from .block_kernels import block_expand, block_shrink
 from .graph_plans import BlockPlan, SortedPlan
-from .row_updates import gather_add_rows_, index_add_rows_
+from .row_updates import gather_add_rows_
 
 __all__ = [
     "GRAPH_KERNELS",
@@ -146,14 +147,16 @@ def graph_expand(x: torch.Tensor, weights: torch.Tensor, batch_info: BatchInfo, 
         ys = x.index_select(0, plan.sorted_tokens).masked_fill_(outside, 0)
         ys_slices = [ys] if num_slices == 1 else [ys[:, i * R : (i + 1) * R].contiguous() for i in range(num_slices)]
         weights_t = [weights[:, slice_offsets[i] : slice_offsets[i + 1]].transpose(1, 2) for i in range(num_slices)]
+        # a strided out (one slice of a wider output) takes the chunks' deltas through one contiguous buffer
+        target = out if len(plan.chunks) == 1 or out.is_contiguous() else out.new_zeros(out.shape)
         for c in plan.chunks:  # each chunk's delta is added before the next one's is computed
             parts = [torch._grouped_mm(y[c.start : c.stop], w, offs=c.group_ends) for y, w in zip(ys_slices, weights_t)]
             delta = parts[0] if num_slices == 1 else torch.cat(parts, dim=1)
             if len(plan.chunks) == 1:  # every row's delta is here, at token_rows (rank-0 rows: zeros)
                 gather_add_rows_(out, plan.token_rows[:T], delta, c.tokens)
             else:
-                index_add_rows_(out, c.tokens, delta)
-        return out
+                target.index_add_(0, c.tokens, delta)
+        return out if target is out else out.add_(target)
     return block_expand(x, weights, batch_info.plan(BlockPlan), slice_offsets, out)
 
 

@@ -1,7 +1,7 @@
 """Adding a kernel's rows into an output that may be a strided view.
 
 ``out.index_add_(0, index, rows)`` into a column slice of a wider output (vLLM's packed
-q/k/v and gate/up outputs, which its LoRA layers hand over one slice at a time) runs 4-10x
+q/k/v and gate/up outputs, which its LoRA layers hand over one slice at a time) runs 3-12x
 slower on CPU than into a contiguous output of the same shape (torch 2.13 on a 2-core AMD
 EPYC: 38 against 11 us for 32 rows of 1024 columns, 2.9 against 0.25 ms for 2048 rows;
 docs/benchmarks.md). The expands
@@ -30,7 +30,11 @@ def gather_add_rows_(out: torch.Tensor, source_rows: torch.Tensor, rows: torch.T
     every other row of ``rows (P, n)`` is zero and ``scatter_index (P,)`` maps each row of
     ``rows`` to its row of ``out`` (the inverse, with the zero rows pointing anywhere): a
     contiguous ``out`` gets ``index_add_`` over ``scatter_index``, a strided one the gather
-    over ``source_rows (T,)``, which adds the same values. Returns ``out``."""
+    over ``source_rows (T,)``, which adds the same values. Returns ``out``.
+
+    The kernels' zero rows are zero because their inputs are masked before the GEMM, which
+    holds for finite weights (``0 * inf`` is NaN): adapters are checked finite at load
+    (:func:`lora_core.load_peft_adapter`)."""
     if out.is_contiguous():
         return out.index_add_(0, scatter_index, rows)
     return out.add_(rows.index_select(0, source_rows))
