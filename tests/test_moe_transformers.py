@@ -254,18 +254,18 @@ def test_gpt_oss_experts_on_base_rows_equal_the_module_biases_and_mask_id_includ
     gen = torch.Generator().manual_seed(4)
     x = torch.randn(6, SMALL["hidden_size"], generator=gen)
     ids = torch.randint(0, 4, (6, 2), generator=gen)
-    ids[2, 1] = 4  # the mask id: no expert
+    ids[2, 1], ids[4, 0], ids[5, 1] = 4, -1, 7  # the mask id E, and ids below and beyond: no expert, no bias
     weights = torch.softmax(torch.randn(6, 2, generator=gen), dim=-1)
     layer.context.backend.prepare_batch(build_batch_info([4, 2], [None, None], [4, 2], [1.0, 1.0], device="cpu"))
     with torch.no_grad():
         want = torch.zeros_like(x)  # gpt-oss's eager loop, pair by pair (its grouped-GEMM dispatch has no mask id)
-        for t, k in ((t, k) for t in range(6) for k in range(2) if ids[t, k] < 4):
+        for t, k in ((t, k) for t in range(6) for k in range(2) if 0 <= ids[t, k] < 4):
             e = ids[t, k]
             h = experts._apply_gate(x[t] @ experts.gate_up_proj[e] + experts.gate_up_proj_bias[e])
             want[t] += weights[t, k] * (h @ experts.down_proj[e] + experts.down_proj_bias[e])
         got = layer(x, router_indices=ids, routing_weights=weights)
         positional = layer(x, ids, weights)
-        unmasked = ids.clamp(max=3)
+        unmasked = ids.clamp(0, 3)
         module = experts(x, unmasked, weights)  # transformers' experts dispatch takes them positionally
         wrapped = layer(x, unmasked, weights)
     rtol, atol = TOLERANCES[torch.float32]

@@ -57,7 +57,7 @@ def test_bad_input_names_the_problem(call, match):
     ((torch.randn(5, 10, dtype=torch.float64), torch.ones(2, 10), None), ValueError,
      "output has dtype torch.float64; supported"),
     ((torch.randn(5, 10), torch.ones(2, 10), torch.zeros(10, dtype=torch.int64)), ValueError,
-     "bias has dtype torch.int64 but output has torch.float32"),
+     r"bias must be a floating-point tensor, got \(10,\) torch.int64"),
     ((torch.randn(5, 10), torch.ones(2, 10), torch.zeros(1, 10)), ValueError, "bias must be 1-D"),
     ((torch.randn(5, 10), [[1.0] * 10] * 2, None), TypeError, "factors must be a torch.Tensor, got list"),
     ((torch.randn(5, 10), torch.ones(2, 10, dtype=torch.float64), None), ValueError, "factors must be float32"),
@@ -72,6 +72,20 @@ def test_dora_scale_validates_like_every_other_op(backend_name, args, error, mat
     backend.prepare_batch(INFO)
     with pytest.raises(error, match=match):
         backend.run_dora_scale(*args)
+
+
+@pytest.mark.parametrize("backend_name", ["torch_native", "ascend"])
+def test_dora_scale_takes_a_bias_of_another_float_dtype(backend_name):
+    """A bf16 output with the base layer's fp32 bias (autocast) is rescaled: the op computes in float32."""
+    from lora_core import get_backend
+    from lora_core.dora import reference_dora_scale
+
+    backend = get_backend(backend_name)("cpu")
+    backend.prepare_batch(INFO)
+    output, factors, bias = torch.randn(5, 10).bfloat16(), torch.rand(2, 10) + 0.5, torch.randn(10)
+    want = reference_dora_scale(output, factors, INFO, bias)
+    torch.testing.assert_close(backend.run_dora_scale(output.clone(), factors, bias).float(), want,
+                               rtol=1e-2, atol=1e-2)
 
 
 def test_graph_batch_info_rejects_more_rows_than_its_capacity():

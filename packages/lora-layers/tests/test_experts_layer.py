@@ -76,7 +76,8 @@ def test_experts_layer_matches_the_reference(device, backend_name, dtype, top_k)
         assert_close_to_reference(out, want, dtype)
 
 
-def test_the_base_projections_three_ways_agree():
+@pytest.mark.parametrize("transposed", [False, True], ids=["(E, out, in)", "(E, in, out)"])
+def test_the_base_projections_three_ways_agree(transposed):
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(7, 2, 8, generator=gen)
     ids = torch.randint(0, 5, (7, 2), generator=gen)
@@ -86,8 +87,10 @@ def test_the_base_projections_three_ways_agree():
         weight = torch.randn(5, out_features, 8, generator=gen)
         want = torch.einsum("tki,tkoi->tko", x, weight[ids.clamp(0, 4)]) * ~outside[..., None]
         assert (want[outside] == 0).all() and (want[~outside] != 0).all()
-        torch.testing.assert_close(expert_projection(x, ids, weight, graph_safe=False), want)
-        torch.testing.assert_close(expert_projection(x, ids, weight, graph_safe=True), want)  # per-pair gather
+        stored = weight.transpose(1, 2).contiguous() if transposed else weight  # gpt-oss stores (E, in, out)
+        for graph_safe in (False, True):  # eager loop or grouped GEMM; per-pair gather or grouped GEMM
+            got = expert_projection(x, ids, stored, graph_safe=graph_safe, transposed=transposed)
+            torch.testing.assert_close(got, want)
 
 
 def test_the_eager_expert_loop_reads_the_router_choices_back_once():

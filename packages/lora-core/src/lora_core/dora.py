@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from .batch_info import BatchInfo
+from .validation import check_dora_scale_inputs  # noqa: F401  (its home is lora_core.validation; kept importable here)
 
 __all__ = ["dora_factor", "reference_dora_scale"]
 
