@@ -4,9 +4,8 @@
 q/k/v and gate/up outputs, which its LoRA layers hand over one slice at a time) runs 3-12x
 slower on CPU than into a contiguous output of the same shape (torch 2.13 on a 2-core AMD
 EPYC: 38 against 11 us for 32 rows of 1024 columns, 2.9 against 0.25 ms for 2048 rows;
-docs/benchmarks.md). The expands
-therefore add into a strided output through a contiguous buffer, or, where each row of the
-output has exactly one source row, by gathering.
+docs/benchmarks.md). The expands therefore add into a strided output through a contiguous
+buffer, or, where each row of the output has exactly one source row, by gathering.
 """
 
 from __future__ import annotations

@@ -32,9 +32,10 @@ _CHUNK_ELEMENTS = 1 << 24
 
 
 def expert_projection(x: torch.Tensor, expert_ids: torch.Tensor, weight: torch.Tensor, *,
-                      graph_safe: bool, transposed: bool = False) -> torch.Tensor:
+                      graph_safe: bool, transposed: bool = False, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x (T, K, in)``, ``expert_ids (T, K)``, ``weight (E, out, in)`` (``transposed``: ``(E, in,
-    out)``, as gpt-oss stores its experts; used as it is, never copied) -> ``(T, K, out)``."""
+    out)``, as gpt-oss stores its experts; used as it is, never copied), ``bias (E, out)`` added
+    once per pair, or ``None`` -> ``(T, K, out)``; zero for ids outside ``[0, E)``."""
     T, K, in_features = x.shape
     E = weight.shape[0]
     out_features = weight.shape[2] if transposed else weight.shape[1]
@@ -72,4 +73,6 @@ def expert_projection(x: torch.Tensor, expert_ids: torch.Tensor, weight: torch.T
             if n:  # an expert the router picked
                 rows = order[end - n : end]
                 out.index_copy_(0, rows, xs.index_select(0, rows) @ weight_t[expert])
+    if bias is not None:
+        out = out + bias.index_select(0, safe).to(out.dtype)
     return torch.where(valid[:, None], out, 0).view(T, K, out_features)

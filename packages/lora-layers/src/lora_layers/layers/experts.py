@@ -167,17 +167,6 @@ class ExpertsWithLoRA(nn.Module):
         gate, up = gate_up.chunk(2, dim=-1)
         return self.base_layer.act_fn(gate) * up
 
-    def _project(self, x: torch.Tensor, expert_ids: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                 graph_safe: bool) -> torch.Tensor:
-        """The base projection of each (token, expert) pair, plus that expert's bias once (zero for
-        ids outside ``[0, E)``, as for the projection)."""
-        out = expert_projection(x, expert_ids, weight, graph_safe=graph_safe, transposed=self.layout.transposed)
-        if bias is None:
-            return out
-        valid = (expert_ids >= 0) & (expert_ids < self.num_experts)
-        rows = bias.index_select(0, torch.where(valid, expert_ids, 0).reshape(-1).long()).view_as(out)
-        return out + torch.where(valid[..., None], rows, 0).to(out.dtype)
-
     @inference_forward
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor | None = None,
                 top_k_weights: torch.Tensor | None = None, *, router_indices: torch.Tensor | None = None,
@@ -193,10 +182,12 @@ class ExpertsWithLoRA(nn.Module):
         graph_safe = backend.batch_info.use_graph or is_capturing() or torch.compiler.is_compiling()
         x = hidden_states.reshape(T, self.hidden_size)[:, None, :].expand(T, K, self.hidden_size)
         h = self._add_lora(x, top_k_index, self.gate_up,
-                           self._project(x, top_k_index, base.gate_up_proj, biases[0], graph_safe))
+                           expert_projection(x, top_k_index, base.gate_up_proj, graph_safe=graph_safe,
+                                             transposed=self.layout.transposed, bias=biases[0]))
         mid = self._gate(h)
         y = self._add_lora(mid, top_k_index, self.down,
-                           self._project(mid, top_k_index, base.down_proj, biases[1], graph_safe))
+                           expert_projection(mid, top_k_index, base.down_proj, graph_safe=graph_safe,
+                                             transposed=self.layout.transposed, bias=biases[1]))
         picked = (top_k_index >= 0) & (top_k_index < self.num_experts)
         weights = torch.where(picked, top_k_weights, 0)
         return (y * weights[..., None]).sum(1).to(hidden_states.dtype)
