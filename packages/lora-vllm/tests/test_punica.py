@@ -378,3 +378,98 @@ def test_expand_without_add_inputs_writes_the_delta(monkeypatch, backend):
     theirs.add_expand(expected, shrunk, b, (10,), offset_start=2, add_inputs=False)
     ours.add_expand(got, shrunk, b, (10,), offset_start=2, add_inputs=False)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_live_ranks_end_at_the_last_component_with_both_factors_nonzero():
+    from lora_vllm.slot_ranks import live_ranks
+
+    a = torch.zeros(4, 6, 3)
+    b = torch.zeros(4, 5, 6)
+    a[0, :4], b[0, :, :4] = 1, 1  # rank 4 zero-padded to 6
+    a[1, :6], b[1, :, :2] = 1, 1  # b's padding decides
+    a[2, 1], b[2, :, 1] = float("nan"), 1  # a NaN is live: it must reach the output
+    assert live_ranks(a, b) == (4, 2, 2, 0)  # slot 3: all zero (a module the adapter does not target)
+    assert live_ranks(a, None) == (4, 6, 2, 0)
+    assert live_ranks(None, b) == (4, 2, 2, 0)
+    assert live_ranks(torch.zeros(2, 0, 3), None) == (0, 0)
+
+
+class _RecordingBackend:
+    """Wraps the step's backends: records the rank dimension of every weight the wrapper hands them."""
+
+    def __init__(self, monkeypatch, wrapper):
+        self.ranks = []
+        for batches in (wrapper._tokens, wrapper._sampled):
+            make = batches._make_backend
+            monkeypatch.setattr(batches, "_make_backend", lambda make=make: self._wrap(make()))
+
+    def _wrap(self, backend):
+        run_a, run_b = backend.run_lora_a, backend.run_lora_b
+
+        def lora_a(x, weights, *args, **kwargs):
+            self.ranks.append(("a", weights.shape[1]))
+            return run_a(x, weights, *args, **kwargs)
+
+        def lora_b(x, weights, *args, **kwargs):
+            self.ranks.append(("b", weights.shape[2]))
+            return run_b(x, weights, *args, **kwargs)
+
+        backend.run_lora_a, backend.run_lora_b = lora_a, lora_b
+        return backend
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_zero_padding_is_not_read_and_an_untargeted_module_is_skipped(monkeypatch, backend):
+    """vLLM pads every adapter to max_lora_rank and zero-fills the modules it does not target: the wrapper
+    reads each buffer pair up to the largest live rank among the step's slots, and skips a pair with none."""
+    gen = torch.Generator().manual_seed(12)
+    lora_index_to_id = [100, 101, 102, None]  # (the last slot empty: vLLM's own ops read slot -1 there)
+    mapping = LoRAMapping([100, 100, 0, 101, 101, 100], [100, 0, 101], is_prefill=False)
+    theirs, ours = _wrappers(monkeypatch, backend, 32)
+    recorded = _RecordingBackend(monkeypatch, ours)
+    _update((theirs, ours), mapping, lora_index_to_id)
+    ranks = [8, 12, 32, 0]  # slot 2's rank 32 is not in the step: the reads stop at 12
+    a = (_stacked(4, 32, 16, 2, lora_index_to_id, ranks, gen),)
+    b = (_stacked(4, 10, 32, 3, lora_index_to_id, ranks, gen),)
+    x, y0 = torch.randn(6, 16, generator=gen), torch.randn(6, 10, generator=gen)
+    expected, got = y0.clone(), y0.clone()
+    theirs.add_lora_linear(expected, x, a, b, 1.0, (10,))
+    ours.add_lora_linear(got, x, a, b, 1.0, (10,))
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert recorded.ranks == [("a", 12), ("b", 12)]
+
+    recorded.ranks.clear()
+    head_a, head_b = torch.zeros(4, 1, 32, 16), torch.zeros(4, 1, 40, 32)  # no adapter targets the LM head
+    logits = torch.randn(3, 40, generator=gen)
+    got = logits.clone()
+    ours.add_lora_logits(got, torch.randn(3, 16, generator=gen), head_a, head_b, 1.0)
+    assert torch.equal(got, logits) and recorded.ranks == []
+    got = y0.clone()
+    ours.add_expand(got, torch.randn(1, 6, 32, generator=gen), (head_b[:, :, :10],), (10,), add_inputs=False)
+    assert torch.equal(got, torch.zeros_like(got)) and recorded.ranks == []
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_buffer_rewritten_in_place_is_read_at_its_new_rank(monkeypatch, backend):
+    """vLLM writes a slot's buffers in place when it loads an adapter there; the slot layout, and so the
+    mapping the wrapper sees, may stay the same (an adapter removed and re-added under its id). The live
+    ranks follow the buffers' contents, not the mapping."""
+    gen = torch.Generator().manual_seed(13)
+    lora_index_to_id = [100, None]
+    mapping = LoRAMapping([100, 100, 0], [100], is_prefill=True)
+    theirs, ours = _wrappers(monkeypatch, backend, 16)
+    _update((theirs, ours), mapping, lora_index_to_id)
+    a = (_stacked(2, 16, 8, 2, lora_index_to_id, [4, 0], gen),)
+    b = (_stacked(2, 6, 16, 3, lora_index_to_id, [4, 0], gen),)
+    x, y0 = torch.randn(3, 8, generator=gen), torch.randn(3, 6, generator=gen)
+    ours.add_lora_linear(y0.clone(), x, a, b, 1.0, (6,))
+    a[0][0, 0, :16].copy_(torch.randn(16, 8, generator=gen))  # as vLLM's set_lora: a rank-16 adapter now
+    b[0][0, 0, :, :16].copy_(torch.randn(6, 16, generator=gen))
+    expected, got = y0.clone(), y0.clone()
+    theirs.add_lora_linear(expected, x, a, b, 1.0, (6,))
+    ours.add_lora_linear(got, x, a, b, 1.0, (6,))
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    a[0][0].zero_()  # as vLLM's reset_lora
+    got = y0.clone()
+    ours.add_lora_linear(got, x, a, b, 1.0, (6,))
+    assert torch.equal(got, y0)

@@ -1,16 +1,16 @@
-"""One step's rows as lora-kit batches: a prepared backend per buffer rank.
+"""One step's rows as lora-kit batches: a prepared backend per set of slot ranks.
 
-vLLM zero-pads every adapter to the buffers' rank ``R`` and folds each adapter's scaling
-into its ``B``, so a lora-kit batch for vLLM's buffers gives every occupied slot rank ``R``
-and scaling 1. Most layers share one ``R`` (``max_lora_rank``); a few have another (a
-fully sharded layer's ``R / tp``, a classifier head's label count), so each rank gets its
-own prepared backend, built from the same host segments once per step: at
-:meth:`RankedBatches.reset` for the rank given there, at first use for any other.
+vLLM folds each adapter's scaling into its ``B``, so every batch here has scaling 1. The
+ranks come from the buffers themselves (:mod:`lora_vllm.slot_ranks`): each buffer pair has
+its slots' live ranks, and the step's batch for that pair gives each slot the step uses its
+live rank (slots the step does not use get 0). Most buffers of a step share one set of ranks
+(an adapter's rank is usually the same on every module it targets); each distinct set gets
+its own prepared backend, built from the same host segments at first use in the step.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -18,71 +18,77 @@ from lora_core import LoRABackend, build_batch_info
 
 from .mapping import run_lengths
 
-__all__ = ["RankedBatches"]
+__all__ = ["RankedBatches", "StepBatch"]
+
+
+class StepBatch(NamedTuple):
+    """A backend prepared with the step's batch for one set of slot ranks; ``rank`` is the largest of
+    them, so the ops read the buffers up to it (``a[:, :rank]``, ``b[:, :, :rank]``)."""
+
+    backend: LoRABackend
+    rank: int
 
 
 class RankedBatches:
-    """The current step's rows (tokens, or sampled rows) for every buffer rank in use.
+    """The current step's rows (tokens, or sampled rows) for every set of slot ranks in use.
 
     Args:
-        make_backend: builds an unprepared lora-kit backend (one per rank, kept across steps).
+        make_backend: builds an unprepared lora-kit backend (kept across steps, one per set of ranks
+            in use).
         device: where the batches live.
     """
 
     def __init__(self, make_backend: Callable[[], LoRABackend], device: torch.device) -> None:
         self._make_backend = make_backend
         self.device = device
-        self._backends: dict[int, LoRABackend] = {}
-        self._prepared: set[int] = set()
-        self._spread: dict[tuple[int, int], LoRABackend] = {}
+        self._backends: dict[tuple, LoRABackend] = {}
+        self._batches: dict[tuple, StepBatch | None] = {}
         self._seg_lens: list[int] = []
         self._seg_slots: list[int] = []
-        self._occupied: tuple[bool, ...] = ()
+        self._in_step: tuple[bool, ...] = ()
         self.num_rows = 0
         self.any_adapter = False
 
-    def reset(self, slots: np.ndarray, occupied: Sequence[bool], rank: int | None) -> None:
-        """Describe a new step: ``slots (rows,)`` int (``-1`` = no adapter), ``occupied[s]``
-        whether slot ``s`` holds an adapter; prepares the batch for buffers of rank ``rank`` now
-        (``None``: every rank at first use)."""
+    def reset(self, slots: np.ndarray, num_slots: int) -> None:
+        """Describe a new step: ``slots (rows,)`` int, each row's adapter slot in ``[0, num_slots)``
+        (``-1`` = no adapter)."""
         seg_lens, seg_slots = run_lengths(slots)
         self._seg_lens, self._seg_slots = seg_lens.tolist(), seg_slots.tolist()
-        self._occupied = tuple(bool(o) for o in occupied)
+        in_step = np.zeros(num_slots, dtype=bool)
+        in_step[seg_slots[seg_slots >= 0]] = True
+        self._in_step = tuple(in_step.tolist())
         self.num_rows = int(slots.size)
-        self.any_adapter = bool((seg_slots >= 0).any())
-        self._prepared.clear()
-        self._spread.clear()
-        if rank is not None:
-            self.backend(rank)
+        self.any_adapter = bool(in_step.any())
+        used = {key for key, batch in self._batches.items() if batch is not None}
+        self._backends = {key: backend for key, backend in self._backends.items() if key in used}
+        self._batches.clear()
 
-    def backend(self, rank: int) -> LoRABackend:
-        """The backend prepared with this step's batch for buffers of rank ``rank``."""
-        backend = self._backends.get(rank)
-        if backend is None:
-            backend = self._backends[rank] = self._make_backend()
-        if rank not in self._prepared:
-            self._prepare(backend, self._seg_lens, self._seg_slots, rank)
-            self._prepared.add(rank)
-        return backend
+    def for_ranks(self, slot_ranks: Sequence[int], num_rows: int | None = None) -> StepBatch | None:
+        """The step's batch for buffers whose slots have these live ranks (``slot_ranks[s]`` for slot
+        ``s``), or ``None`` when no row of the step has a slot of rank > 0 (nothing to compute).
 
-    def backend_for_rows(self, num_rows: int, rank: int) -> LoRABackend:
-        """:meth:`backend` for ``num_rows`` rows: the step's own, or, when the step has one row and
-        ``num_rows`` are given (vLLM's prompt log-probabilities: every prompt position of the one
-        request goes through the LM head), that row's slot for each of them, as vLLM's own ops
-        broadcast it. Any other count is a ``ValueError``."""
-        if num_rows == self.num_rows:
-            return self.backend(rank)
-        if self.num_rows != 1:
+        ``num_rows``, when given and not the step's row count, asks for vLLM's prompt log-probabilities
+        case: the step has one row and ``num_rows`` rows reached the LM head (every prompt position of
+        the one request), each with that row's slot, as vLLM's own ops broadcast it. Any other count is
+        a ``ValueError``."""
+        spread = num_rows is not None and num_rows != self.num_rows
+        if spread and self.num_rows != 1:
             raise ValueError(f"{num_rows} rows reached the LM head but the step maps {self.num_rows} sampled rows")
-        backend = self._spread.get((num_rows, rank))
-        if backend is None:
-            backend = self._spread[(num_rows, rank)] = self._make_backend()
-            self._prepare(backend, [num_rows], self._seg_slots, rank)
-        return backend
-
-    def _prepare(self, backend: LoRABackend, seg_lens: list[int], seg_slots: list[int], rank: int) -> None:
-        """Prepare ``backend`` with the batch of these segments, every occupied slot at rank ``rank``, scaling 1."""
-        info = build_batch_info(seg_lens, seg_slots, [rank if o else 0 for o in self._occupied],
-                                [1.0] * len(self._occupied), device=self.device, max_rank=rank)
-        backend.prepare_batch(info)
-
+        key = (tuple(slot_ranks), num_rows if spread else None)
+        if key in self._batches:
+            return self._batches[key]
+        if len(key[0]) != len(self._in_step):
+            raise ValueError(f"the LoRA buffers hold {len(key[0])} adapter slots but the step's mapping has "
+                             f"{len(self._in_step)}")
+        ranks = [r if used else 0 for r, used in zip(key[0], self._in_step)]
+        batch = None
+        if max(ranks, default=0) > 0:
+            backend = self._backends.get(key)
+            if backend is None:
+                backend = self._backends[key] = self._make_backend()
+            seg_lens = [num_rows] if spread else self._seg_lens
+            info = build_batch_info(seg_lens, self._seg_slots, ranks, [1.0] * len(ranks), device=self.device)
+            backend.prepare_batch(info)
+            batch = StepBatch(backend, max(ranks))
+        self._batches[key] = batch
+        return batch

@@ -9,8 +9,11 @@ shrink and expand as lora-kit ops on vLLM's own stacked buffers, viewed, never c
 
 * ``lora_a_stacked[i] (L, 1, R, in)`` viewed as ``(L, R, in)``, ``lora_b_stacked[i]
   (L, 1, out_i, R)`` as ``(L, out_i, R)``: the lora-kit layout of one slice
-  (docs/layout.md), with every occupied slot at rank ``R`` (vLLM zero-pads ranks) and
-  scaling 1 (vLLM folds each adapter's scaling into ``B``);
+  (docs/layout.md), with scaling 1 (vLLM folds each adapter's scaling into ``B``);
+* each slot at its live rank in that buffer pair (:mod:`lora_vllm.slot_ranks`), and the
+  buffers read up to the largest live rank of the step's slots: vLLM zero-pads every
+  adapter to ``R`` and zero-fills the modules an adapter does not target, and that padding
+  is neither read nor multiplied (a pair with no live rank in the step is skipped);
 * tokens of slot ``-1`` get no delta. (vLLM's CPU ops index the weights with ``-1``, which
   is the last slot: a base-model request batched beside an adapter in the last slot gets
   that adapter's delta there. Here it gets none.)
@@ -31,9 +34,10 @@ from vllm.config import CompilationMode, CUDAGraphMode, get_current_vllm_config_
 from vllm.logger import logger
 from vllm.lora.punica_wrapper.punica_base import PunicaWrapperBase
 
-from .batches import RankedBatches
+from .batches import RankedBatches, StepBatch
 from .mapping import StepMapping
 from .plugin import ENV_VAR, backend_name
+from .slot_ranks import SlotRanks
 
 __all__ = ["LoRAKitPunicaWrapper", "check_eager_engine"]
 
@@ -112,13 +116,12 @@ class LoRAKitPunicaWrapper(PunicaWrapperBase):
                  **kwargs: Any) -> None:
         check_eager_engine()
         super().__init__(max_num_batched_tokens, max_batches, device)
-        lora_config = kwargs.get("lora_config")
         self.backend_name = backend_name()
         backend_cls = get_backend(self.backend_name)
-        self.max_lora_rank = int(lora_config.max_lora_rank) if lora_config is not None else None
         self._device = torch.device(device)
         self._tokens = RankedBatches(lambda: backend_cls(self._device), self._device)
         self._sampled = RankedBatches(lambda: backend_cls(self._device), self._device)
+        self._slot_ranks = SlotRanks()
         logger.info_once("lora-kit: vLLM's LoRA layers run on lora-kit backend %r (%s)", self.backend_name,
                          backend_cls.__qualname__)
 
@@ -138,9 +141,13 @@ class LoRAKitPunicaWrapper(PunicaWrapperBase):
         self.is_prefill = bool(mapping.is_prefill)
         self.no_lora = not bool((step.token_slots >= 0).any())
 
-        occupied = [lora_id is not None for lora_id in lora_index_to_id]
-        self._tokens.reset(step.token_slots, occupied, self.max_lora_rank)
-        self._sampled.reset(step.row_slots, occupied, self.max_lora_rank)
+        self._tokens.reset(step.token_slots, len(lora_index_to_id))
+        self._sampled.reset(step.row_slots, len(lora_index_to_id))
+
+    def _token_batch(self, a: torch.Tensor | None, b: torch.Tensor | None) -> StepBatch | None:
+        """The step's token batch for the buffer pair ``a (L, R, in)``, ``b (L, out, R)`` (either may be
+        ``None``), at its slots' live ranks; ``None`` when it has nothing to add."""
+        return self._tokens.for_ranks(self._slot_ranks.of(a, b))
 
     # ---------------------------------------------------------------- LoRA math
     def add_shrink(self, y: tuple[torch.Tensor, ...] | torch.Tensor, x: torch.Tensor,
@@ -153,8 +160,11 @@ class LoRAKitPunicaWrapper(PunicaWrapperBase):
         a_slices = _slices(lora_a_stacked)
         x = x[:n].to(a_slices[0].dtype)
         for i, a in enumerate(a_slices):
-            shrunk = self._tokens.backend(a.shape[1]).run_lora_a(x, a)
-            out = y[i].view(-1, y[i].shape[-1])[:n]
+            batch = self._token_batch(a, None)
+            if batch is None:
+                continue
+            shrunk = batch.backend.run_lora_a(x, a[:, : batch.rank])
+            out = y[i].view(-1, y[i].shape[-1])[:n, : batch.rank]  # the columns beyond are zero products
             out.add_(shrunk if scale == 1.0 else shrunk * scale)
         return y
 
@@ -172,9 +182,19 @@ class LoRAKitPunicaWrapper(PunicaWrapperBase):
         n = _rows(self._tokens, y2, "y")
         offset = offset_start
         for i, (b, size) in enumerate(zip(b_slices, output_slices)):
-            _expand_into(self._tokens.backend(b.shape[2]), y2[:n, offset: offset + size], x[i][:n], b, add_inputs)
+            self._expand_pair(self._token_batch(None, b), y2[:n, offset: offset + size], x[i][:n], b, add_inputs)
             offset += size
         return y
+
+    @staticmethod
+    def _expand_pair(batch: StepBatch | None, y: torch.Tensor, x: torch.Tensor, b: torch.Tensor,
+                     add_inputs: bool) -> None:
+        """``y (+)= x @ b[slot_t].T`` at ``batch``'s ranks; with no batch the delta is zero."""
+        if batch is None:
+            if not add_inputs:
+                y.zero_()
+            return
+        _expand_into(batch.backend, y, x[:, : batch.rank], b[:, :, : batch.rank], add_inputs)
 
     def add_lora_embedding(self, y: torch.Tensor, x: torch.Tensor, lora_b_stacked: torch.Tensor,
                            add_inputs: bool = True, **kwargs: Any) -> Any:
@@ -185,7 +205,7 @@ class LoRAKitPunicaWrapper(PunicaWrapperBase):
             return y
         (b,) = _slices(lora_b_stacked)
         n = _rows(self._tokens, y, "y")
-        _expand_into(self._tokens.backend(b.shape[2]), y[:n], x[:n], b, add_inputs)
+        self._expand_pair(self._token_batch(None, b), y[:n], x[:n], b, add_inputs)
         return y
 
     def add_lora_linear(self, y: torch.Tensor, x: torch.Tensor, lora_a_stacked: tuple[torch.Tensor, ...],
@@ -203,11 +223,11 @@ class LoRAKitPunicaWrapper(PunicaWrapperBase):
         x = x[:n].to(a_slices[0].dtype)  # the LoRA math runs in vLLM's lora_dtype (by default the model's)
         offset = 0
         for a, b, size in zip(a_slices, b_slices, output_slices):
-            backend = self._tokens.backend(a.shape[1])
-            shrunk = backend.run_lora_a(x, a)
-            if scale != 1.0:
+            batch = self._token_batch(a, b)
+            shrunk = None if batch is None else batch.backend.run_lora_a(x, a[:, : batch.rank])
+            if shrunk is not None and scale != 1.0:
                 shrunk = shrunk * scale
-            _expand_into(backend, y[:n, offset: offset + size], shrunk, b, add_inputs)
+            self._expand_pair(batch, y[:n, offset: offset + size], shrunk, b, add_inputs)
             offset += size
         return y
 
@@ -220,12 +240,14 @@ class LoRAKitPunicaWrapper(PunicaWrapperBase):
         (a,), (b,) = _slices(lora_a_stacked), _slices(lora_b_stacked)
         y2, x2 = y.view(-1, y.shape[-1]), x.view(-1, x.shape[-1])
         n = x2.shape[0]
-        backend = self._sampled.backend_for_rows(n, a.shape[1])
-        shrunk = backend.run_lora_a(x2.to(a.dtype), a)
+        batch = self._sampled.for_ranks(self._slot_ranks.of(a, b), num_rows=n)
+        if batch is None:
+            return y
+        shrunk = batch.backend.run_lora_a(x2.to(a.dtype), a[:, : batch.rank])
         if scale != 1.0:
             shrunk = shrunk * scale
         width = min(b.shape[1], y2.shape[1])  # the model's logits may be padded past the adapter's vocabulary
-        _expand_into(backend, y2[:n, :width], shrunk, b[:, :width], True)
+        self._expand_pair(batch, y2[:n, :width], shrunk, b[:, :width], True)
         return y
 
     def apply_lora_full_linear(self, y: torch.Tensor, x: torch.Tensor, weight_stacked: torch.Tensor,
@@ -234,11 +256,19 @@ class LoRAKitPunicaWrapper(PunicaWrapperBase):
         ``y[r] = x[r] @ weight[slot_r].T + bias[slot_r]`` where ``slot_r >= 0`` has one, else ``y[r]``."""
         (w,) = _slices(weight_stacked)
         n = _rows(self._sampled, x, "x")
-        adapter_y = self._sampled.backend(w.shape[1]).run_lora_a(x[:n].to(w.dtype), w)
+        whole = self._sampled.for_ranks((w.shape[1],) * w.shape[0])  # whole matrices, not low-rank: every row
+        if whole is None:
+            return y
+        adapter_y = whole.backend.run_lora_a(x[:n].to(w.dtype), w)
         y[:n].copy_(self._select_full_linear_output(y[:n], adapter_y, bias_stacked, module_enabled))
         return y
 
     # ------------------------------------------------------------ MoE experts
+    def _experts_batch(self, a: torch.Tensor) -> StepBatch:
+        """The step's token batch for experts' buffers ``a (L, E, R, H)``: every slot the step uses at
+        rank ``R`` (their live ranks are not read). Called only when the step has an adapter row."""
+        return self._tokens.for_ranks((a.shape[2],) * a.shape[0])
+
     def add_lora_w13(self, y: torch.Tensor, x: torch.Tensor, lora_a_stacked: tuple[torch.Tensor, ...],
                      lora_b_stacked: tuple[torch.Tensor, ...], topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                      expert_map: torch.Tensor | None, w1: torch.Tensor, w2: torch.Tensor, num_tokens: int,
@@ -264,7 +294,7 @@ class LoRAKitPunicaWrapper(PunicaWrapperBase):
             offset = 0
             for a, b in zip(lora_a_stacked, lora_b_stacked):
                 xk = x[:n].to(a.dtype).unsqueeze(1).expand(n, top_k_num, x.shape[-1])  # a view per choice
-                delta = self._tokens.backend(a.shape[2]).run_experts_lora(xk, ids[:n], a, b)
+                delta = self._experts_batch(a).backend.run_experts_lora(xk, ids[:n], a, b)
                 y3[:n, :, offset: offset + b.shape[2]] += delta
                 offset += b.shape[2]
         return None, ids.reshape(-1), None, None
@@ -292,6 +322,6 @@ class LoRAKitPunicaWrapper(PunicaWrapperBase):
         n = _rows(self._tokens, y3, "y")
         xk = x.view(num_tokens, top_k_num, -1)[:n].to(a.dtype)
         ids = expert_ids_lora.view(num_tokens, top_k_num)[:n]
-        delta = self._tokens.backend(a.shape[2]).run_experts_lora(xk, ids, a, b)
+        delta = self._experts_batch(a).backend.run_experts_lora(xk, ids, a, b)
         y3[:n] += delta * topk_weights.view(num_tokens, top_k_num, 1)[:n].to(delta.dtype)
 
