@@ -6,9 +6,10 @@ import torch
 from torch import nn
 
 from lora_core import EmbeddingLoRABuffers
+from lora_core.checks import check_bool
 from lora_core.dora import dora_factor
 
-from ..parallel import TensorParallel
+from ..parallel import TensorParallel, shard_range
 from .context import LoRAContext, WrapTarget, inference_forward
 from .slot_weights import ModuleParts, check_dora_parts, folded_b
 
@@ -27,7 +28,10 @@ class EmbeddingWithLoRA(nn.Module):
 
     A vocab-parallel embedding (``tp.size > 1``) gives the backend each shard's
     local ids, so the other shards' ids are out of its range: it refuses a
-    ``strict_token_ids`` backend.
+    ``strict_token_ids`` backend. Its A is sharded by vocabulary like the base and B is
+    replicated, or, with ``fully_sharded``, sharded by embedding dimension: each process
+    adds its dimensions' delta into its partial base rows before their all-reduce (the
+    same two all-reduces; ``1/tp`` of A and of B per process).
 
     DoRA (PEFT's ``DoraEmbeddingLayer``; with ``context.dora``): a row of a DoRA slot is
     ``factor * (base row + delta)``, ``factor = m / ||W.T + s B A||`` per embedding
@@ -35,7 +39,7 @@ class EmbeddingWithLoRA(nn.Module):
     """
 
     def __init__(self, base_layer: nn.Embedding, context: LoRAContext, num_added_tokens: int = 0,
-                 tp: TensorParallel | None = None) -> None:
+                 tp: TensorParallel | None = None, *, fully_sharded: bool = False) -> None:
         super().__init__()
         if not isinstance(base_layer, nn.Embedding):
             raise TypeError(f"EmbeddingWithLoRA wraps an nn.Embedding, got {type(base_layer).__name__}")
@@ -51,8 +55,11 @@ class EmbeddingWithLoRA(nn.Module):
         local_vocab = base_layer.num_embeddings
         self.vocab_size = local_vocab * self.tp.size
         self.vocab_start = self.tp.rank * local_vocab
+        self.fully_sharded = check_bool("fully_sharded", fully_sharded)
+        self._dims = shard_range(base_layer.embedding_dim, self.tp.rank, self.tp.size) if fully_sharded else None
+        lora_dim = base_layer.embedding_dim if self._dims is None else self._dims[1] - self._dims[0]
         self.buffers = EmbeddingLoRABuffers(num_slots=context.num_slots, max_rank=context.max_rank,
-                                            vocab_size=local_vocab, embedding_dim=base_layer.embedding_dim,
+                                            vocab_size=local_vocab, embedding_dim=lora_dim,
                                             num_added_tokens=num_added_tokens, dtype=context.dtype,
                                             device=context.device)
         self.dora_factors: torch.Tensor | None = None
@@ -76,6 +83,11 @@ class EmbeddingWithLoRA(nn.Module):
                 raise ValueError(f"lora_a must have {self.vocab_size} columns (the unsharded vocabulary), "
                                  f"got {tuple(lora_a.shape)}")
             lora_a = lora_a[:, self.vocab_start : self.vocab_start + self.base_layer.num_embeddings]
+        if self._dims is not None:
+            if lora_b.shape[0] != self.base_layer.embedding_dim:
+                raise ValueError(f"lora_b must have {self.base_layer.embedding_dim} rows (the unsharded embedding "
+                                 f"dimension), got {tuple(lora_b.shape)}")
+            lora_b = lora_b[self._dims[0] : self._dims[1]]
         self.buffers.load(slot, lora_a, lora_b, extra_embeddings)
 
     def load_slot(self, slot: int, parts: ModuleParts, slot_scaling: float) -> None:
@@ -116,14 +128,20 @@ class EmbeddingWithLoRA(nn.Module):
         if self.buffers.extra is not None:  # base rows: in the base layer's dtype
             base = backend.run_added_tokens(flat, self.buffers.extra.to(base.dtype), self.vocab_size, base,
                                             1.0 if scale is None else scale)
-        base = self.tp.all_reduce(base)
+        if self._dims is None:
+            base = self.tp.all_reduce(base)
         shrunk = self.tp.all_reduce(backend.run_lora_a_embedding(local_ids, self.buffers.a, local_vocab,
                                                                  self.buffers.extra))
         if scale is not None:
             shrunk = shrunk * scale
         ctx = self.context
-        out = ctx.add_delta(base, backend.run_lora_b(shrunk, self.buffers.b, (0, self.base_layer.embedding_dim),
-                                                     ctx.lora_output(base)))
+        if self._dims is None:
+            out = ctx.add_delta(base, backend.run_lora_b(shrunk, self.buffers.b, (0, self.base_layer.embedding_dim),
+                                                         ctx.lora_output(base)))
+        else:  # this process's dimensions of the delta into its partial rows, then their all-reduce
+            dims = base[:, self._dims[0] : self._dims[1]]
+            ctx.add_delta(dims, backend.run_lora_b(shrunk, self.buffers.b, (0, dims.shape[1]), ctx.lora_output(dims)))
+            out = self.tp.all_reduce(base)
         if self.dora_factors is not None:
             out = backend.run_dora_scale(out, self.dora_factors)
         return out.reshape(*lead, out.shape[-1])

@@ -35,13 +35,14 @@ class LinearWithLoRA(nn.Module):
         self.base_layer = base_layer
         self.context = context
         self.tp = tp or TensorParallel()
-        local = list(slice_widths) if slice_widths is not None else [self.out_features]
-        if sum(local) != self.out_features:
+        lora_in, lora_out = self._lora_features()
+        local = list(slice_widths) if slice_widths is not None else [lora_out]
+        if sum(local) != lora_out:
             raise ValueError(
-                f"slice_widths {local} sum to {sum(local)}, but the base layer has {self.out_features} outputs"
+                f"slice_widths {local} sum to {sum(local)}, but the base layer has {lora_out} outputs"
             )
         self.buffers = LinearLoRABuffers(num_slots=context.num_slots, max_rank=context.max_rank,
-                                         in_features=self.in_features, slice_widths=local,
+                                         in_features=lora_in, slice_widths=local,
                                          dtype=context.dtype, device=context.device)
         self.dora_factors: torch.Tensor | None = None
         """``(num_slots, out)`` float32 DoRA factors of the local outputs (1: no DoRA), with ``context.dora``."""
@@ -74,6 +75,11 @@ class LinearWithLoRA(nn.Module):
         return self.buffers.slice_widths
 
     # Tensor-parallel subclasses override these to take their shard of full weights.
+    def _lora_features(self) -> tuple[int, int]:
+        """``(in, out)`` of this process's LoRA buffers: the base layer's, unless a fully sharded
+        wrapper holds only its shard of A's input columns or of B's output rows."""
+        return self.in_features, self.out_features
+
     def _shard_a(self, a: torch.Tensor) -> torch.Tensor:
         return a
 

@@ -1,0 +1,172 @@
+"""One rank of the fully sharded tensor-parallel check (run by test_tensor_parallel.py, 2 gloo processes).
+
+Each tensor-parallel wrapper built with ``fully_sharded=True`` must give the output of the
+unsharded replicated wrapper, on both backends, for an eager batch and for a graph-mode
+batch refilled with another one, with adapters of mixed ranks (a rank-0 slot, a base
+request); and hold ``1/tp`` of the adapters' A and B where today's wrapper replicates one
+of them. Prints one line per wrapper with its per-process adapter bytes, today's and fully sharded.
+"""
+
+import sys
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lora_ascend import AscendBackend
+from lora_core import build_batch_info
+from lora_cuda import TorchNativeBackend
+from lora_layers import (
+    ColumnParallelLinearWithLoRA,
+    EmbeddingWithLoRA,
+    LinearWithLoRA,
+    LoRAContext,
+    MergedColumnParallelLinearWithLoRA,
+    QKVParallelLinearWithLoRA,
+    RowParallelLinearWithLoRA,
+    TensorParallel,
+)
+from lora_layers.parallel import shard_range
+
+RANKS, SCALINGS, R = [4, 2, 0], [0.5, 2.0, 1.0], 4
+BATCHES = [([3, 2, 4], [0, None, 1]), ([1, 5, 2, 1], [1, 1, 0, None])]  # (seq_lens, slots); same token count
+T = 9
+H = 16
+
+
+def _bytes(*tensors):
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _adapters(gen, in_features, widths):
+    return [[(torch.randn(r, in_features, generator=gen), torch.randn(w, r, generator=gen)) for w in widths]
+            if r else None for r in RANKS]
+
+
+def _load(wrapper, adapters):
+    for slot, slices in enumerate(adapters):
+        if slices is not None:
+            wrapper.set_lora(slot, slices)
+
+
+def _contexts(backend_cls):
+    """An eager context, and a graph-mode one whose batch is refilled between the two batches."""
+    eager = LoRAContext(backend_cls(), num_slots=3, max_rank=R, dtype=torch.float32, device="cpu")
+    graph = LoRAContext(backend_cls(), num_slots=3, max_rank=R, dtype=torch.float32, device="cpu")
+    graph.backend.prepare_batch(build_batch_info(*BATCHES[0], RANKS, SCALINGS, device="cpu", use_graph=True,
+                                                 max_tokens=16, max_rank=R))
+    return {"eager": eager, "graph": graph}
+
+
+def _set_batch(ctx, mode, index):
+    if mode == "eager":
+        ctx.backend.prepare_batch(build_batch_info(*BATCHES[index], RANKS, SCALINGS, device="cpu"))
+    else:
+        ctx.backend.batch_info.refill(*BATCHES[index])
+
+
+def main(rank: int, world: int, init_method: str) -> None:
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
+    tp = TensorParallel.from_distributed()
+    checked, sizes = [], {}
+
+    def check(name, got, want):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name} on rank {rank}: {m}")
+        checked.append(name)
+
+    for backend_cls in (TorchNativeBackend, AscendBackend):
+        for mode, ctx in _contexts(backend_cls).items():
+            gen = torch.Generator().manual_seed(0)  # identical on every rank
+            tag = f"{backend_cls.name} {mode}"
+            x = torch.randn(T, H, generator=gen)
+
+            column_kinds = [
+                ("column", [24], 12, lambda base, **kw: ColumnParallelLinearWithLoRA(base, ctx, tp, gather_output=True,
+                                                                                    **kw)),
+                ("gate_up", [20, 20], 20, lambda base, **kw: MergedColumnParallelLinearWithLoRA(
+                    base, ctx, tp, [20, 20], True, **kw)),
+                ("qkv kv-sharded", [16, 8, 8], 16, lambda base, **kw: QKVParallelLinearWithLoRA(
+                    base, ctx, tp, num_heads=4, num_kv_heads=2, head_dim=4, gather_output=True, **kw)),
+                ("qkv kv-replicated", [16, 4, 4], 16, lambda base, **kw: QKVParallelLinearWithLoRA(
+                    base, ctx, tp, num_heads=4, num_kv_heads=1, head_dim=4, **kw)),
+            ]
+            for name, widths, local_out, make in column_kinds:
+                full = nn.Linear(H, sum(widths))
+                with torch.no_grad():
+                    full.weight.copy_(torch.randn(sum(widths), H, generator=gen))
+                    full.bias.copy_(torch.randn(sum(widths), generator=gen))
+                adapters = _adapters(gen, H, widths)
+                reference = LinearWithLoRA(full, ctx, widths)
+                _load(reference, adapters)
+                today, fully = make(nn.Linear(H, local_out)), make(nn.Linear(H, local_out), fully_sharded=True)
+                offsets = [0]
+                for w in widths:
+                    offsets.append(offsets[-1] + w)
+                index = torch.cat([torch.arange(offsets[i] + s, offsets[i] + e)
+                                   for i, (s, e) in enumerate(fully._row_ranges)])
+                for wrapper in (today, fully):
+                    with torch.no_grad():
+                        wrapper.base_layer.weight.copy_(full.weight[index])
+                        wrapper.base_layer.bias.copy_(full.bias[index])
+                    _load(wrapper, adapters)
+                for b in range(2):
+                    _set_batch(ctx, mode, b)
+                    want = reference(x)
+                    check(f"{name} ({tag}, batch {b})", fully(x), want if fully.gather_output else want[:, index])
+                assert _bytes(fully.buffers.a) * world == _bytes(reference.buffers.a), name
+                assert _bytes(fully.buffers.b) == _bytes(today.buffers.b), name
+                sizes[name] = (_bytes(today.buffers.a, today.buffers.b), _bytes(fully.buffers.a, fully.buffers.b))
+
+            full = nn.Linear(H, 12)  # row parallel: input columns sharded, bias once
+            with torch.no_grad():
+                full.weight.copy_(torch.randn(12, H, generator=gen))
+                full.bias.copy_(torch.randn(12, generator=gen))
+            adapters = _adapters(gen, H, [12])
+            reference = LinearWithLoRA(full, ctx)
+            _load(reference, adapters)
+            s, e = shard_range(H, rank, world)
+            wrappers = []
+            for fully_sharded in (False, True):
+                shard = nn.Linear(e - s, 12)
+                with torch.no_grad():
+                    shard.weight.copy_(full.weight[:, s:e])
+                    shard.bias.copy_(full.bias)
+                wrappers.append(RowParallelLinearWithLoRA(shard, ctx, tp, fully_sharded=fully_sharded))
+                _load(wrappers[-1], adapters)
+            today, fully = wrappers
+            for b in range(2):
+                _set_batch(ctx, mode, b)
+                check(f"row ({tag}, batch {b})", fully(x[:, s:e]), reference(x))
+            assert _bytes(fully.buffers.b) * world == _bytes(reference.buffers.b)
+            assert _bytes(fully.buffers.a) == _bytes(today.buffers.a)
+            sizes["row"] = (_bytes(today.buffers.a, today.buffers.b), _bytes(fully.buffers.a, fully.buffers.b))
+
+            V, D = 20, 6  # vocab-parallel embedding
+            table = torch.randn(V, D, generator=gen)
+            pairs = [(torch.randn(r, V, generator=gen), torch.randn(D, r, generator=gen)) if r else None
+                     for r in RANKS]
+            reference = EmbeddingWithLoRA(nn.Embedding.from_pretrained(table), ctx)
+            vs, ve = shard_range(V, rank, world)
+            today = EmbeddingWithLoRA(nn.Embedding.from_pretrained(table[vs:ve]), ctx, tp=tp)
+            fully = EmbeddingWithLoRA(nn.Embedding.from_pretrained(table[vs:ve]), ctx, tp=tp, fully_sharded=True)
+            for slot, pair in enumerate(pairs):
+                if pair is not None:
+                    for wrapper in (reference, today, fully):
+                        wrapper.set_lora(slot, *pair)
+            ids = torch.randint(-2, V + 2, (T,), generator=gen)  # out-of-vocab ids included
+            for b in range(2):
+                _set_batch(ctx, mode, b)
+                check(f"embedding ({tag}, batch {b})", fully(ids), reference(ids))
+            assert _bytes(fully.buffers.b) * world == _bytes(reference.buffers.b)
+            assert _bytes(fully.buffers.a) == _bytes(today.buffers.a)
+            sizes["embedding"] = (_bytes(today.buffers.a, today.buffers.b), _bytes(fully.buffers.a, fully.buffers.b))
+
+    dist.barrier()
+    dist.destroy_process_group()
+    for name, (today, fully) in sizes.items():
+        print(f"rank {rank}: {name}: adapter bytes per process {today} today, {fully} fully sharded")
+    print(f"rank {rank}: {len(checked)} fully sharded checks match the unsharded layer")
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])
