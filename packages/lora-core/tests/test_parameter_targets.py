@@ -60,3 +60,18 @@ def test_pairs_that_do_not_match_the_targeted_parameters_are_refused(tmp_path):
     (path / "adapter_config.json").write_text(json.dumps({**config, "target_parameters": None}))
     with pytest.raises(AdapterFormatError, match="has no target_parameters"):
         load_peft_adapter(path)
+
+
+def test_nested_levels_stay_with_their_module_when_a_bare_parameter_name_is_targeted(tmp_path):
+    """PEFT 0.22 rewrites some MoE configs for transformers v5 into target_parameters with bare names
+    (``["gate_up_proj", "experts.gate_up_proj", "down_proj"]``, target_modules empty): a bare name could
+    name any module's pair, but ``<module>.base_layer`` is a nested level of ``<module>``, never a root."""
+    gen = torch.Generator().manual_seed(3)
+    gu, down = _experts(gen, 2, 4, 8, 12), _experts(gen, 2, 4, 6, 8)
+    path = save_peft_adapter(tmp_path / "a", {}, lora_alpha=8, parameters={
+        MODULE: [("gate_up_proj", *gu), ("down_proj", *down)]})
+    config = json.loads((path / "adapter_config.json").read_text())
+    (path / "adapter_config.json").write_text(json.dumps(
+        {**config, "target_parameters": ["gate_up_proj", "experts.gate_up_proj", "down_proj"], "target_modules": []}))
+    adapter = load_peft_adapter(path)
+    assert set(adapter.parameter_pairs) == {MODULE} and len(adapter.parameter_pairs[MODULE]) == 2

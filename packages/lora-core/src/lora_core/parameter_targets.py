@@ -107,7 +107,8 @@ def split_parameter_pairs(path: Path, config: dict, pairs: dict[str, dict[str, t
     if not (isinstance(targets, (list, tuple)) and all(isinstance(t, str) and t for t in targets)):
         raise AdapterFormatError(f"{path}: target_parameters must be a list of parameter names, got {targets!r}")
     roots = {m.split(BASE_LAYER)[0] for m in nested}
-    roots |= {m for m in pairs if m not in roots and _is_parameter_module(config, m)}
+    # a nested level (<root>.base_layer...) belongs to its root, even where its own name matches a target
+    roots |= {m for m in pairs if m not in roots and not m.endswith(BASE_LAYER) and _is_parameter_module(config, m)}
     found: dict[str, tuple[tuple[torch.Tensor, torch.Tensor], ...]] = {}
     for root in sorted(roots):
         levels = []
