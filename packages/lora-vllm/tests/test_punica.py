@@ -473,3 +473,62 @@ def test_a_buffer_rewritten_in_place_is_read_at_its_new_rank(monkeypatch, backen
     got = y0.clone()
     ours.add_lora_linear(got, x, a, b, 1.0, (6,))
     assert torch.equal(got, y0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_shrink_and_expand_called_apart_read_their_own_live_ranks(monkeypatch, backend):
+    """vLLM's row-parallel and fully sharded layers call add_shrink and add_expand apart: the shrink's live
+    ranks come from A alone, the expand's from B alone, and the two may differ."""
+    gen = torch.Generator().manual_seed(14)
+    lora_index_to_id = [100, 101, 102, None]
+    mapping = LoRAMapping([100, 100, 0, 101, 101, 102, 100], [100, 0, 101, 102], is_prefill=True)
+    theirs, ours = _wrappers(monkeypatch, backend, 16)
+    _update((theirs, ours), mapping, lora_index_to_id)
+    a, b = torch.zeros(4, 1, 16, 24), torch.zeros(4, 1, 10, 16)
+    a[0, 0, :12], b[0, 0, :, :5] = torch.randn(12, 24, generator=gen), torch.randn(10, 5, generator=gen)
+    a[1, 0, :3], b[1, 0, :, :14] = torch.randn(3, 24, generator=gen), torch.randn(10, 14, generator=gen)
+    a[2, 0, [0, 7]], b[2, 0, :, [0, 3, 9]] = torch.randn(2, 24, generator=gen), torch.randn(10, 3, generator=gen)
+    x, y0 = torch.randn(7, 24, generator=gen), torch.randn(7, 15, generator=gen)
+    results = []
+    for wrapper in (theirs, ours):
+        shrunk = torch.zeros(1, 7, 16)
+        wrapper.add_shrink(shrunk, x, (a,), 1.0)
+        y = y0.clone()
+        wrapper.add_expand(y, shrunk, (b,), (10,), offset_start=2)
+        results.append((shrunk, y))
+    torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(results[1][1], results[0][1], rtol=1e-5, atol=1e-5)
+
+
+def test_buffers_that_differ_only_in_slots_the_step_does_not_use_share_one_batch(monkeypatch):
+    gen = torch.Generator().manual_seed(15)
+    lora_index_to_id = [100, 101, None]
+    _, ours = _wrappers(monkeypatch, "torch_native", 16)
+    made = []
+    make = ours._tokens._make_backend
+    monkeypatch.setattr(ours._tokens, "_make_backend", lambda: made.append(1) or make())
+    _update((ours,), LoRAMapping([100, 100, 0], [100], is_prefill=True), lora_index_to_id)
+    x = torch.randn(3, 8, generator=gen)
+    for idle_rank in (16, 0, 4):  # slot 1 is not in the step: its rank must not split the batch
+        a = _stacked(3, 16, 8, 2, lora_index_to_id, [8, idle_rank, 0], gen)
+        b = _stacked(3, 6, 16, 3, lora_index_to_id, [8, idle_rank, 0], gen)
+        ours.add_lora_linear(torch.zeros(3, 6), x, (a,), (b,), 1.0, (6,))
+    assert len(made) == 1
+
+
+def test_inference_tensor_buffers_are_read_at_their_full_rank(monkeypatch):
+    """Inference tensors have no version counter to cache live ranks by: every slot the step uses is read
+    at the buffers' rank, with the same result."""
+    gen = torch.Generator().manual_seed(16)
+    lora_index_to_id = [100, None]
+    theirs, ours = _wrappers(monkeypatch, "torch_native", 8)
+    _update((theirs, ours), LoRAMapping([100, 0, 100], [100], is_prefill=True), lora_index_to_id)
+    with torch.inference_mode():
+        a = (_stacked(2, 8, 8, 2, lora_index_to_id, [3, 0], gen),)
+        b = (_stacked(2, 6, 8, 3, lora_index_to_id, [3, 0], gen),)
+        x, y0 = torch.randn(3, 8, generator=gen), torch.randn(3, 6, generator=gen)
+        expected, got = y0.clone(), y0.clone()
+        theirs.add_lora_linear(expected, x, a, b, 1.0, (6,))
+        ours.add_lora_linear(got, x, a, b, 1.0, (6,))
+    assert a[0].is_inference()
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)

@@ -4,8 +4,9 @@ vLLM folds each adapter's scaling into its ``B``, so every batch here has scalin
 ranks come from the buffers themselves (:mod:`lora_vllm.slot_ranks`): each buffer pair has
 its slots' live ranks, and the step's batch for that pair gives each slot the step uses its
 live rank (slots the step does not use get 0). Most buffers of a step share one set of ranks
-(an adapter's rank is usually the same on every module it targets); each distinct set gets
-its own prepared backend, built from the same host segments at first use in the step.
+(an adapter's rank is usually the same on every module it targets); each distinct set of the
+step's ranks gets its own prepared backend, built from the same host segments at first use
+in the step, and kept for the next step while the previous one used it.
 """
 
 from __future__ import annotations
@@ -41,8 +42,9 @@ class RankedBatches:
     def __init__(self, make_backend: Callable[[], LoRABackend], device: torch.device) -> None:
         self._make_backend = make_backend
         self.device = device
-        self._backends: dict[tuple, LoRABackend] = {}
-        self._batches: dict[tuple, StepBatch | None] = {}
+        self._backends: dict[tuple[tuple[int, ...], int | None], LoRABackend] = {}  # by the step's ranks
+        self._batches: dict[tuple[tuple[int, ...], int | None], StepBatch | None] = {}  # by the buffers' ranks
+        self._used: set[tuple[tuple[int, ...], int | None]] = set()
         self._seg_lens: list[int] = []
         self._seg_slots: list[int] = []
         self._in_step: tuple[bool, ...] = ()
@@ -59,9 +61,9 @@ class RankedBatches:
         self._in_step = tuple(in_step.tolist())
         self.num_rows = int(slots.size)
         self.any_adapter = bool(in_step.any())
-        used = {key for key, batch in self._batches.items() if batch is not None}
-        self._backends = {key: backend for key, backend in self._backends.items() if key in used}
+        self._backends = {key: backend for key, backend in self._backends.items() if key in self._used}
         self._batches.clear()
+        self._used = set()
 
     def for_ranks(self, slot_ranks: Sequence[int], num_rows: int | None = None) -> StepBatch | None:
         """The step's batch for buffers whose slots have these live ranks (``slot_ranks[s]`` for slot
@@ -81,14 +83,17 @@ class RankedBatches:
             raise ValueError(f"the LoRA buffers hold {len(key[0])} adapter slots but the step's mapping has "
                              f"{len(self._in_step)}")
         ranks = [r if used else 0 for r, used in zip(key[0], self._in_step)]
+        step_key = (tuple(ranks), key[1])  # buffers that differ only in slots the step does not use share it
         batch = None
         if max(ranks, default=0) > 0:
-            backend = self._backends.get(key)
+            backend = self._backends.get(step_key)
             if backend is None:
-                backend = self._backends[key] = self._make_backend()
-            seg_lens = [num_rows] if spread else self._seg_lens
-            info = build_batch_info(seg_lens, self._seg_slots, ranks, [1.0] * len(ranks), device=self.device)
-            backend.prepare_batch(info)
+                backend = self._backends[step_key] = self._make_backend()
+            if step_key not in self._used:
+                seg_lens = [num_rows] if spread else self._seg_lens
+                info = build_batch_info(seg_lens, self._seg_slots, ranks, [1.0] * len(ranks), device=self.device)
+                backend.prepare_batch(info)
+                self._used.add(step_key)
             batch = StepBatch(backend, max(ranks))
         self._batches[key] = batch
         return batch

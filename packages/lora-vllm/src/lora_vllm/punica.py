@@ -11,9 +11,11 @@ shrink and expand as lora-kit ops on vLLM's own stacked buffers, viewed, never c
   (L, 1, out_i, R)`` as ``(L, out_i, R)``: the lora-kit layout of one slice
   (docs/layout.md), with scaling 1 (vLLM folds each adapter's scaling into ``B``);
 * each slot at its live rank in that buffer pair (:mod:`lora_vllm.slot_ranks`), and the
-  buffers read up to the largest live rank of the step's slots: vLLM zero-pads every
-  adapter to ``R`` and zero-fills the modules an adapter does not target, and that padding
-  is neither read nor multiplied (a pair with no live rank in the step is skipped);
+  buffers read by the ops up to the largest live rank of the step's slots: vLLM zero-pads
+  every adapter to ``R`` and zero-fills the modules an adapter does not target, and the ops
+  neither read nor multiply that padding (a pair with no live rank in the step runs no op;
+  finding the live ranks reads a buffer once after each write to it). The experts' buffers
+  and a classifier head's full matrices are read whole;
 * tokens of slot ``-1`` get no delta. (vLLM's CPU ops index the weights with ``-1``, which
   is the last slot: a base-model request batched beside an adapter in the last slot gets
   that adapter's delta there. Here it gets none.)
@@ -37,16 +39,15 @@ from vllm.lora.punica_wrapper.punica_base import PunicaWrapperBase
 from .batches import RankedBatches, StepBatch
 from .mapping import StepMapping
 from .plugin import ENV_VAR, backend_name
-from .slot_ranks import SlotRanks
+from .slot_ranks import SlotRanks, stacked_view
 
 __all__ = ["LoRAKitPunicaWrapper", "check_eager_engine"]
 
 
-def _slices(stacked: tuple[torch.Tensor, ...] | torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """vLLM's per-slice stacked buffers ``(L, 1, rows, cols)`` as lora-kit views ``(L, rows, cols)``."""
-    if isinstance(stacked, torch.Tensor):
-        stacked = (stacked,)
-    return tuple(w.squeeze(1) if w.dim() == 4 else w for w in stacked)
+def _buffers(stacked: tuple[torch.Tensor, ...] | torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """vLLM's per-slice stacked buffers ``(L, 1, rows, cols)`` as a tuple (one tensor: one slice), as given:
+    the persistent tensors whose live ranks :class:`~lora_vllm.slot_ranks.SlotRanks` keeps."""
+    return (stacked,) if isinstance(stacked, torch.Tensor) else tuple(stacked)
 
 
 def check_eager_engine() -> None:
@@ -145,8 +146,8 @@ class LoRAKitPunicaWrapper(PunicaWrapperBase):
         self._sampled.reset(step.row_slots, len(lora_index_to_id))
 
     def _token_batch(self, a: torch.Tensor | None, b: torch.Tensor | None) -> StepBatch | None:
-        """The step's token batch for the buffer pair ``a (L, R, in)``, ``b (L, out, R)`` (either may be
-        ``None``), at its slots' live ranks; ``None`` when it has nothing to add."""
+        """The step's token batch for vLLM's buffer pair ``a (L, 1, R, in)``, ``b (L, 1, out, R)`` (either
+        may be ``None``), at its slots' live ranks; ``None`` when it has nothing to add."""
         return self._tokens.for_ranks(self._slot_ranks.of(a, b))
 
     # ---------------------------------------------------------------- LoRA math
@@ -157,13 +158,13 @@ class LoRAKitPunicaWrapper(PunicaWrapperBase):
         if not self._tokens.any_adapter:
             return y
         n = _rows(self._tokens, x, "x")
-        a_slices = _slices(lora_a_stacked)
-        x = x[:n].to(a_slices[0].dtype)
-        for i, a in enumerate(a_slices):
+        a_buffers = _buffers(lora_a_stacked)
+        x = x[:n].to(a_buffers[0].dtype)
+        for i, a in enumerate(a_buffers):
             batch = self._token_batch(a, None)
             if batch is None:
                 continue
-            shrunk = batch.backend.run_lora_a(x, a[:, : batch.rank])
+            shrunk = batch.backend.run_lora_a(x, stacked_view(a)[:, : batch.rank])
             out = y[i].view(-1, y[i].shape[-1])[:n, : batch.rank]  # the columns beyond are zero products
             out.add_(shrunk if scale == 1.0 else shrunk * scale)
         return y
@@ -173,23 +174,25 @@ class LoRAKitPunicaWrapper(PunicaWrapperBase):
                    add_inputs: bool = True, **kwargs: Any) -> Any:
         """``y[:, o_i : o_i + out_i] += x[i] @ lora_b[slot_t, i].T``, ``o_0 = offset_start``."""
         y2 = y.view(-1, y.shape[-1])
-        b_slices = _slices(lora_b_stacked)
-        _check_slice_counts(len(x), len(b_slices), output_slices)
+        b_buffers = _buffers(lora_b_stacked)
+        _check_slice_counts(len(x), len(b_buffers), output_slices)
         if not self._tokens.any_adapter:
             if not add_inputs:
                 y2[:, offset_start: offset_start + sum(output_slices)].zero_()
             return y
         n = _rows(self._tokens, y2, "y")
         offset = offset_start
-        for i, (b, size) in enumerate(zip(b_slices, output_slices)):
-            self._expand_pair(self._token_batch(None, b), y2[:n, offset: offset + size], x[i][:n], b, add_inputs)
+        for i, (b, size) in enumerate(zip(b_buffers, output_slices)):
+            self._expand_pair(self._token_batch(None, b), y2[:n, offset: offset + size], x[i][:n], stacked_view(b),
+                              add_inputs)
             offset += size
         return y
 
     @staticmethod
     def _expand_pair(batch: StepBatch | None, y: torch.Tensor, x: torch.Tensor, b: torch.Tensor,
                      add_inputs: bool) -> None:
-        """``y (+)= x @ b[slot_t].T`` at ``batch``'s ranks; with no batch the delta is zero."""
+        """``y (T, out) (+)= x (T, R) @ b[slot_t].T`` (``b (L, out, R)``) at ``batch``'s ranks, reading
+        ``x[:, :r]`` and ``b[:, :, :r]``; with no batch the delta is zero."""
         if batch is None:
             if not add_inputs:
                 y.zero_()
@@ -203,9 +206,9 @@ class LoRAKitPunicaWrapper(PunicaWrapperBase):
             if not add_inputs:
                 y.zero_()
             return y
-        (b,) = _slices(lora_b_stacked)
+        (b,) = _buffers(lora_b_stacked)
         n = _rows(self._tokens, y, "y")
-        self._expand_pair(self._token_batch(None, b), y[:n], x[:n], b, add_inputs)
+        self._expand_pair(self._token_batch(None, b), y[:n], x[:n], stacked_view(b), add_inputs)
         return y
 
     def add_lora_linear(self, y: torch.Tensor, x: torch.Tensor, lora_a_stacked: tuple[torch.Tensor, ...],
@@ -213,21 +216,21 @@ class LoRAKitPunicaWrapper(PunicaWrapperBase):
                         buffer: tuple[torch.Tensor, ...] | None = None, **kwargs: Any) -> Any:
         """``y[:, o_i : o_i + out_i] += scale * x @ lora_a[slot_t, i].T @ lora_b[slot_t, i].T`` per slice."""
         add_inputs = kwargs.get("add_inputs", True)
-        a_slices, b_slices = _slices(lora_a_stacked), _slices(lora_b_stacked)
-        _check_slice_counts(len(a_slices), len(b_slices), output_slices)
+        a_buffers, b_buffers = _buffers(lora_a_stacked), _buffers(lora_b_stacked)
+        _check_slice_counts(len(a_buffers), len(b_buffers), output_slices)
         if not self._tokens.any_adapter:
             if not add_inputs:
                 y[:, : sum(output_slices)].zero_()
             return y
         n = _rows(self._tokens, x, "x")
-        x = x[:n].to(a_slices[0].dtype)  # the LoRA math runs in vLLM's lora_dtype (by default the model's)
+        x = x[:n].to(a_buffers[0].dtype)  # the LoRA math runs in vLLM's lora_dtype (by default the model's)
         offset = 0
-        for a, b, size in zip(a_slices, b_slices, output_slices):
+        for a, b, size in zip(a_buffers, b_buffers, output_slices):
             batch = self._token_batch(a, b)
-            shrunk = None if batch is None else batch.backend.run_lora_a(x, a[:, : batch.rank])
+            shrunk = None if batch is None else batch.backend.run_lora_a(x, stacked_view(a)[:, : batch.rank])
             if shrunk is not None and scale != 1.0:
                 shrunk = shrunk * scale
-            self._expand_pair(batch, y[:n, offset: offset + size], shrunk, b, add_inputs)
+            self._expand_pair(batch, y[:n, offset: offset + size], shrunk, stacked_view(b), add_inputs)
             offset += size
         return y
 
@@ -237,12 +240,13 @@ class LoRAKitPunicaWrapper(PunicaWrapperBase):
         """LM head over the sampled rows: ``y[:, :V] += scale * x @ lora_a[slot_r].T @ lora_b[slot_r].T``."""
         if not self._sampled.any_adapter:
             return y
-        (a,), (b,) = _slices(lora_a_stacked), _slices(lora_b_stacked)
+        (a_buffer,), (b_buffer,) = _buffers(lora_a_stacked), _buffers(lora_b_stacked)
         y2, x2 = y.view(-1, y.shape[-1]), x.view(-1, x.shape[-1])
         n = x2.shape[0]
-        batch = self._sampled.for_ranks(self._slot_ranks.of(a, b), num_rows=n)
+        batch = self._sampled.for_ranks(self._slot_ranks.of(a_buffer, b_buffer), num_rows=n)
         if batch is None:
             return y
+        a, b = stacked_view(a_buffer), stacked_view(b_buffer)
         shrunk = batch.backend.run_lora_a(x2.to(a.dtype), a[:, : batch.rank])
         if scale != 1.0:
             shrunk = shrunk * scale
@@ -254,7 +258,7 @@ class LoRAKitPunicaWrapper(PunicaWrapperBase):
                                bias_stacked: torch.Tensor, module_enabled: torch.Tensor) -> Any:
         """A classifier head's full per-adapter weights on the sampled rows:
         ``y[r] = x[r] @ weight[slot_r].T + bias[slot_r]`` where ``slot_r >= 0`` has one, else ``y[r]``."""
-        (w,) = _slices(weight_stacked)
+        w = stacked_view(weight_stacked)
         n = _rows(self._sampled, x, "x")
         whole = self._sampled.for_ranks((w.shape[1],) * w.shape[0])  # whole matrices, not low-rank: every row
         if whole is None:
