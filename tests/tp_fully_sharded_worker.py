@@ -29,7 +29,7 @@ from lora_layers import (
 from lora_layers.parallel import shard_range
 
 RANKS, SCALINGS, R = [4, 2, 0], [0.5, 2.0, 1.0], 4
-BATCHES = [([3, 2, 4], [0, None, 1]), ([1, 5, 2, 1], [1, 1, 0, None])]  # (seq_lens, slots); same token count
+BATCHES = [([3, 2, 4], [0, None, 1]), ([1, 5, 2, 1], [1, 2, 0, None])]  # (seq_lens, slots); slot 2 has rank 0
 T = 9
 H = 16
 
