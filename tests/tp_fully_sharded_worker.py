@@ -27,8 +27,8 @@ from lora_layers import (
     TensorParallel,
 )
 from lora_layers.parallel import shard_range
+from tp_common import RANKS, SCALINGS, R, column_shard_rows, load_adapters, random_adapters, random_linear
 
-RANKS, SCALINGS, R = [4, 2, 0], [0.5, 2.0, 1.0], 4
 BATCHES = [([3, 2, 4], [0, None, 1]), ([1, 5, 2, 1], [1, 2, 0, None])]  # (seq_lens, slots); slot 2 has rank 0
 T = 9
 H = 16
@@ -36,17 +36,6 @@ H = 16
 
 def _bytes(*tensors):
     return sum(t.numel() * t.element_size() for t in tensors)
-
-
-def _adapters(gen, in_features, widths):
-    return [[(torch.randn(r, in_features, generator=gen), torch.randn(w, r, generator=gen)) for w in widths]
-            if r else None for r in RANKS]
-
-
-def _load(wrapper, adapters):
-    for slot, slices in enumerate(adapters):
-        if slices is not None:
-            wrapper.set_lora(slot, slices)
 
 
 def _contexts(backend_cls):
@@ -91,24 +80,17 @@ def main(rank: int, world: int, init_method: str) -> None:
                     base, ctx, tp, num_heads=4, num_kv_heads=1, head_dim=4, **kw)),
             ]
             for name, widths, local_out, make in column_kinds:
-                full = nn.Linear(H, sum(widths))
-                with torch.no_grad():
-                    full.weight.copy_(torch.randn(sum(widths), H, generator=gen))
-                    full.bias.copy_(torch.randn(sum(widths), generator=gen))
-                adapters = _adapters(gen, H, widths)
+                full = random_linear(gen, H, sum(widths))
+                adapters = random_adapters(gen, H, widths)
                 reference = LinearWithLoRA(full, ctx, widths)
-                _load(reference, adapters)
+                load_adapters(reference, adapters)
                 today, fully = make(nn.Linear(H, local_out)), make(nn.Linear(H, local_out), fully_sharded=True)
-                offsets = [0]
-                for w in widths:
-                    offsets.append(offsets[-1] + w)
-                index = torch.cat([torch.arange(offsets[i] + s, offsets[i] + e)
-                                   for i, (s, e) in enumerate(fully._row_ranges)])
+                index = column_shard_rows(widths, fully._row_ranges)
                 for wrapper in (today, fully):
                     with torch.no_grad():
                         wrapper.base_layer.weight.copy_(full.weight[index])
                         wrapper.base_layer.bias.copy_(full.bias[index])
-                    _load(wrapper, adapters)
+                    load_adapters(wrapper, adapters)
                 for b in range(2):
                     _set_batch(ctx, mode, b)
                     want = reference(x)
@@ -117,13 +99,10 @@ def main(rank: int, world: int, init_method: str) -> None:
                 assert _bytes(fully.buffers.b) == _bytes(today.buffers.b), name
                 sizes[name] = (_bytes(today.buffers.a, today.buffers.b), _bytes(fully.buffers.a, fully.buffers.b))
 
-            full = nn.Linear(H, 12)  # row parallel: input columns sharded, bias once
-            with torch.no_grad():
-                full.weight.copy_(torch.randn(12, H, generator=gen))
-                full.bias.copy_(torch.randn(12, generator=gen))
-            adapters = _adapters(gen, H, [12])
+            full = random_linear(gen, H, 12)  # row parallel: input columns sharded, bias once
+            adapters = random_adapters(gen, H, [12])
             reference = LinearWithLoRA(full, ctx)
-            _load(reference, adapters)
+            load_adapters(reference, adapters)
             s, e = shard_range(H, rank, world)
             wrappers = []
             for fully_sharded in (False, True):
@@ -132,7 +111,7 @@ def main(rank: int, world: int, init_method: str) -> None:
                     shard.weight.copy_(full.weight[:, s:e])
                     shard.bias.copy_(full.bias)
                 wrappers.append(RowParallelLinearWithLoRA(shard, ctx, tp, fully_sharded=fully_sharded))
-                _load(wrappers[-1], adapters)
+                load_adapters(wrappers[-1], adapters)
             today, fully = wrappers
             for b in range(2):
                 _set_batch(ctx, mode, b)

@@ -24,22 +24,10 @@ from lora_layers import (
     TensorParallel,
 )
 from lora_layers.parallel import shard_range
+from tp_common import RANKS, SCALINGS, R, column_shard_rows, load_adapters, random_adapters, random_linear
 
-RANKS, SCALINGS, R = [4, 2, 0], [0.5, 2.0, 1.0], 4
 SEQ_LENS, SLOTS = [3, 2, 4], [0, None, 1]
 T = sum(SEQ_LENS)
-
-
-def _adapters(gen, in_features, widths):
-    """Per slot: a list of (A, B) per slice, ranks from RANKS (slot 2 stays empty)."""
-    return [[(torch.randn(r, in_features, generator=gen), torch.randn(w, r, generator=gen)) for w in widths]
-            if r else None for r in RANKS]
-
-
-def _load(wrapper, adapters):
-    for slot, slices in enumerate(adapters):
-        if slices is not None:
-            wrapper.set_lora(slot, slices)
 
 
 def main(rank: int, world: int, init_method: str) -> None:
@@ -67,41 +55,32 @@ def main(rank: int, world: int, init_method: str) -> None:
         ("qkvg (4 packed parts)", [16, 8, 8, 16], 24, lambda base: ColumnParallelLinearWithLoRA(
             base, ctx, tp, [16, 8, 8, 16], gather_output=True)),
     ]:
-        full = nn.Linear(H, sum(widths))
-        with torch.no_grad():
-            full.weight.copy_(torch.randn(sum(widths), H, generator=gen))
-            full.bias.copy_(torch.randn(sum(widths), generator=gen))
-        adapters = _adapters(gen, H, widths)
+        full = random_linear(gen, H, sum(widths))
+        adapters = random_adapters(gen, H, widths)
         reference = LinearWithLoRA(full, ctx, widths)
-        _load(reference, adapters)
+        load_adapters(reference, adapters)
         want = reference(x)
         wrapper = make(nn.Linear(H, local_out))
-        offsets = [0]
-        for w in widths:
-            offsets.append(offsets[-1] + w)
-        index = torch.cat([torch.arange(offsets[i] + s, offsets[i] + e) for i, (s, e) in enumerate(wrapper._row_ranges)])
+        index = column_shard_rows(widths, wrapper._row_ranges)
         with torch.no_grad():  # this rank's rows of the full base layer
             wrapper.base_layer.weight.copy_(full.weight[index])
             wrapper.base_layer.bias.copy_(full.bias[index])
-        _load(wrapper, adapters)
+        load_adapters(wrapper, adapters)
         got = wrapper(x)
         check(name, got, want if wrapper.gather_output else want[:, index])
 
     # row parallel: input columns sharded, bias once
-    full = nn.Linear(H, 12)
-    with torch.no_grad():
-        full.weight.copy_(torch.randn(12, H, generator=gen))
-        full.bias.copy_(torch.randn(12, generator=gen))
-    adapters = _adapters(gen, H, [12])
+    full = random_linear(gen, H, 12)
+    adapters = random_adapters(gen, H, [12])
     reference = LinearWithLoRA(full, ctx)
-    _load(reference, adapters)
+    load_adapters(reference, adapters)
     s, e = shard_range(H, rank, world)
     shard = nn.Linear(e - s, 12)
     with torch.no_grad():
         shard.weight.copy_(full.weight[:, s:e])
         shard.bias.copy_(full.bias)
     wrapper = RowParallelLinearWithLoRA(shard, ctx, tp)
-    _load(wrapper, adapters)
+    load_adapters(wrapper, adapters)
     check("row", wrapper(x[:, s:e]), reference(x))
 
     # vocab-parallel embedding and LM head
@@ -121,14 +100,14 @@ def main(rank: int, world: int, init_method: str) -> None:
     head_full = nn.Linear(D, V, bias=False)
     with torch.no_grad():
         head_full.weight.copy_(torch.randn(V, D, generator=gen))
-    head_adapters = _adapters(gen, D, [V])
+    head_adapters = random_adapters(gen, D, [V])
     reference = LMHeadWithLoRA(head_full, ctx)
-    _load(reference, head_adapters)
+    load_adapters(reference, head_adapters)
     shard = nn.Linear(D, ve - vs, bias=False)
     with torch.no_grad():
         shard.weight.copy_(head_full.weight[vs:ve])
     wrapper = LMHeadWithLoRA(shard, ctx, tp)
-    _load(wrapper, head_adapters)
+    load_adapters(wrapper, head_adapters)
     hidden = torch.randn(T, D, generator=gen)
     check("lm_head", wrapper(hidden), reference(hidden))
     last = torch.randn(3, D, generator=gen)  # pruned: one row per request
