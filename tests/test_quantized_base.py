@@ -151,3 +151,17 @@ def test_wrapping_keeps_no_dense_copy_of_a_base_weight(served):
     dense = sum(m.base_layer.in_features * m.base_layer.out_features * 4 for m in mlora.wrapped.values())
     stored = sum(_bytes(m.base_layer) for m in mlora.wrapped.values())
     assert stored < dense / 3  # the wrapped base weights stay int8 or packed 4-bit (float32 would be `dense`)
+
+
+def test_a_dora_adapter_over_a_quantized_layer_is_refused_naming_the_module(served, tmp_path):
+    """DoRA's norm is over the dense weight, which a quantized layer does not hold: refused at load, in one
+    line naming the module and the layer, before any slot is written."""
+    kind, base, _, _ = served
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        peft.get_peft_model(copy.deepcopy(base), peft.LoraConfig(
+            r=4, lora_alpha=8, use_dora=True, target_modules=["o_proj"], init_lora_weights=False)).save_pretrained(
+                str(tmp_path / "dora"))
+    with pytest.raises(ValueError, match=r"module 'model\.layers\.0\.self_attn\.o_proj': DoRA over a quantized base "
+                                         r"layer \((Linear|Linear4bit), weight \w+\) is not supported yet"):
+        MultiLoRA.from_adapters(copy.deepcopy(base), {"dora": tmp_path / "dora"}, backend="torch_native")

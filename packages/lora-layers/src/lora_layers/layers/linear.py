@@ -141,6 +141,10 @@ class LinearWithLoRA(nn.Module):
         factors = torch.ones_like(self.dora_factors[0])
         offsets = slice_offsets_from_widths(self.unsharded_slice_widths)
         weight = self._base_weight()
+        if type(weight) not in (torch.Tensor, nn.Parameter):  # a quantized layer's weight (torchao, bitsandbytes)
+            raise ValueError(f"DoRA over a quantized base layer ({type(self.base_layer).__name__}, weight "
+                             f"{type(weight).__name__}) is not supported yet: DoRA's norm needs the dense weight "
+                             "(docs/quantization.md)")
         for i, w in dora.items():
             lo, hi = (0, offsets[-1]) if i == WHOLE_MODULE else (offsets[i], offsets[i + 1])
             factors[lo:hi] = dora_factor(weight[lo:hi], w.lora_a, w.lora_b, w.scaling, w.magnitude)
