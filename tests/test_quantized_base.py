@@ -165,3 +165,31 @@ def test_a_dora_adapter_over_a_quantized_layer_is_refused_naming_the_module(serv
     with pytest.raises(ValueError, match=r"module 'model\.layers\.0\.self_attn\.o_proj': DoRA over a quantized base "
                                          r"layer \((Linear|Linear4bit), weight \w+\) is not supported yet"):
         MultiLoRA.from_adapters(copy.deepcopy(base), {"dora": tmp_path / "dora"}, backend="torch_native")
+
+
+@pytest.mark.parametrize("backend", available_backends())
+def test_graph_mode_captured_with_one_batch_replays_another_as_eager(device, backend, served):
+    """Captured (or compiled) with batch A, run with batch B: each equals the eager forward of its batch."""
+    kind, base, paths, _ = served
+    if device.torch_device.type != "cpu":
+        pytest.skip("the quantization libraries' CPU layers")
+    if device.simulated and kind.startswith("bnb"):
+        pytest.skip("bitsandbytes' 4-bit matmul is an opaque custom op (bitsandbytes::gemv_4bit): the graph "
+                    "simulator cannot see its host logic, so only real graph hardware can say whether it captures")
+    batches = [([3, 5, 4], ["wide", "narrow", None]), ([6, 2, 4], [None, "wide", "narrow"])]
+    T = 12
+    ids = torch.randint(3, 128, (1, T), generator=torch.Generator().manual_seed(2))
+    model = copy.deepcopy(base)
+    mlora = MultiLoRA.from_adapters(model, paths, backend=backend)
+    expected = []
+    for batch in batches:
+        mlora.set_batch(*batch)
+        with torch.no_grad():
+            expected.append(model(input_ids=ids, use_cache=False).logits)
+    if device.is_graph:
+        mlora.enable_graph(T)
+    mlora.set_batch(*batches[0])
+    out_a, out_b = device.run_two_batches(lambda i: model(input_ids=i, use_cache=False).logits, [ids],
+                                          lambda: mlora.set_batch(*batches[1]))
+    for got, want in ((out_a, expected[0]), (out_b, expected[1])):
+        assert ((got - want).abs().max() / want.abs().max()).item() <= 1e-4, kind
