@@ -28,13 +28,13 @@ ROUTE = ["wide", None, "narrow"]
 
 
 def _torchao_int8(model: nn.Module) -> None:
-    quantization = pytest.importorskip("torchao.quantization", reason="needs torchao (pip install lora-layers[quant])")
+    quantization = pytest.importorskip("torchao.quantization", reason="needs torchao (pip install torchao)")
     quantization.quantize_(model.model, quantization.Int8WeightOnlyConfig())
 
 
 def _bnb_4bit(quant_type: str):
     def quantize(model: nn.Module) -> None:
-        bnb = pytest.importorskip("bitsandbytes", reason="needs bitsandbytes (pip install lora-layers[quant])")
+        bnb = pytest.importorskip("bitsandbytes", reason="needs bitsandbytes (pip install bitsandbytes)")
         for parent in list(model.model.modules()):
             for name, child in list(parent.named_children()):
                 if type(child) is nn.Linear:
