@@ -148,6 +148,9 @@ def test_wrapping_keeps_no_dense_copy_of_a_base_weight(served):
                           if any(t is r for r in [*model.parameters(), *nn.Module.buffers(model)]))
     assert lora_bytes > 0
     assert _bytes(model) - registered_lora == before, kind
+    for name, m in mlora.wrapped.items():  # nor is a copy kept outside the registered tensors
+        kept = [k for k, v in vars(m).items() if isinstance(v, torch.Tensor) and k != "dora_factors"]
+        assert kept == [], (name, kept)
     dense = sum(m.base_layer.in_features * m.base_layer.out_features * 4 for m in mlora.wrapped.values())
     stored = sum(_bytes(m.base_layer) for m in mlora.wrapped.values())
     assert stored < dense / 3  # the wrapped base weights stay int8 or packed 4-bit (float32 would be `dense`)
