@@ -12,6 +12,7 @@ from lora_core.dora import dora_factor
 
 from ..parallel import TensorParallel
 from .context import LoRAContext, WrapTarget, flatten_tokens, inference_forward
+from .dense_weight import UnsupportedWeight, dense_weight
 from .slot_weights import WHOLE_MODULE, ModuleParts, check_dora_parts, folded_b
 
 __all__ = ["LinearWithLoRA", "SliceWeights"]
@@ -127,8 +128,9 @@ class LinearWithLoRA(nn.Module):
             self.dora_factors[slot] = 1.0
 
     def _base_weight(self) -> torch.Tensor:
-        """The base layer's weight as ``(out, in)`` (what DoRA's norm is taken over)."""
-        return self.base_layer.weight
+        """The base layer's weight as a dense ``(out, in)`` tensor (what DoRA's norm is taken over):
+        a quantized layer's weight dequantized into a temporary copy (:func:`dense_weight`)."""
+        return dense_weight(self.base_layer.weight)
 
     def _dora_factors_of(self, parts: ModuleParts) -> torch.Tensor | None:
         """An adapter's ``(out,)`` DoRA factors for this layer, computed once, at load
@@ -140,11 +142,11 @@ class LinearWithLoRA(nn.Module):
         dora = {i: w for i, w in parts.items() if w.magnitude is not None}
         factors = torch.ones_like(self.dora_factors[0])
         offsets = slice_offsets_from_widths(self.unsharded_slice_widths)
-        weight = self._base_weight()
-        if type(weight) not in (torch.Tensor, nn.Parameter):  # a quantized layer's weight (torchao, bitsandbytes)
-            raise ValueError(f"DoRA over a quantized base layer ({type(self.base_layer).__name__}, weight "
-                             f"{type(weight).__name__}) is not supported yet: DoRA's norm needs the dense weight "
-                             "(docs/quantization.md)")
+        try:
+            weight = self._base_weight() if dora else None
+        except UnsupportedWeight as error:
+            raise ValueError(f"DoRA over {type(self.base_layer).__name__} is not supported: its norm needs the dense "
+                             f"weight, and this layer has {error}") from None
         for i, w in dora.items():
             lo, hi = (0, offsets[-1]) if i == WHOLE_MODULE else (offsets[i], offsets[i + 1])
             factors[lo:hi] = dora_factor(weight[lo:hi], w.lora_a, w.lora_b, w.scaling, w.magnitude)
