@@ -209,7 +209,9 @@ def dequantized_model(quantized: TinyDecoder, quantization: Quantization) -> Tin
         for name, param in dense.named_parameters():
             owner, _, leaf = name.rpartition(".")
             module = modules[owner]
-            value = quantization.dequantize(module) if owner in replaced and leaf == "weight" else getattr(module,
-                                                                                                           leaf)
+            if owner in replaced and leaf == "weight":
+                value = quantization.dequantize(module)
+            else:
+                value = getattr(module, leaf)
             param.copy_(value.detach().float().cpu())
     return dense.eval()
