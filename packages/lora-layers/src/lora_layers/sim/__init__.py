@@ -2,7 +2,7 @@
 
 Serves a workload (:mod:`.workload`) of synthetic or given PEFT adapters
 (:mod:`.adapters`) through :class:`~lora_layers.MultiLoRA` over the modules of
-:mod:`.serving`, on every backend of ``lora_core.available_backends()`` and every
+:mod:`.serving` (their base fp32 or quantized, ``--quantize``: :mod:`.quantize`), on every backend of ``lora_core.available_backends()`` and every
 device of ``lora_core.testing.DEVICE_NAMES``; checks each row against merged fp32
 reference models (:mod:`.reference`) and times it against the base model in
 interleaved rounds (:mod:`lora_core.testing.timing`, :mod:`.run`); writes tables, JSON and a plot
@@ -23,6 +23,7 @@ from .bench import discover_benchmarks, run_benchmarks
 from .checks import MAX_DECODE_STEPS, MAX_MEMORY_GIB, MAX_ROUNDS, estimate_memory
 from .cli import build_parser, check_run, main, parse_adapters, parse_config
 from .errors import UsageError
+from .quantize import QUANTIZATIONS, Quantization
 from .reference import merged_reference_models, reference_logits
 from .report import format_rows, write_plot
 from .run import ROUNDS, SimRow, run_row, run_simulation

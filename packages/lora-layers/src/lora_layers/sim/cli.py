@@ -39,6 +39,7 @@ from .checks import (
 )
 from .errors import UsageError
 from .help_text import DESCRIPTION, EPILOG
+from .quantize import QUANTIZATIONS, Quantization, check_quantization
 from .report import format_devices, format_header, format_rows, to_json, write_plot
 from .run import COMPILE_BACKENDS, ROUNDS, check_compile_backend, run_simulation
 from .serving import AdapterSources, build_multilora, saved_modules
@@ -54,7 +55,7 @@ TRANSFORMERS_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidd
 
 OPTION_COMMANDS: dict[str, tuple[str, ...]] = {
     **{dest: ("run",) for dest in ("adapter", "model_config", "backend", "device", "decode_steps", "rounds", "json",
-                                   "plot", "max_memory_gib", "compile_backend")},
+                                   "plot", "max_memory_gib", "compile_backend", "quantize")},
     "smoke": ("bench",),
     "quiet": ("run", "bench"),
 }
@@ -226,6 +227,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="torch.compile backend of the compile devices' decode step (default auto: inductor "
                              "where it can generate code, i.e. a C++ compiler on CPU or Triton on CUDA, else "
                              "aot_eager; the table says which)")
+    parser.add_argument("--quantize", choices=list(QUANTIZATIONS),
+                        help="serve the decoder layers' projections quantized (default none: fp32); each row is "
+                             "checked against fp32 references built from the dequantized weights; int8 and int4 "
+                             "need torchao, nf4 and fp4 bitsandbytes (see below)")
     parser.add_argument("--json", metavar="PATH", help="write the full results, per-round samples included, as JSON "
                         "('-': on stdout, instead of the table)")
     parser.add_argument("--plot", metavar="PATH", help="write a chart of throughput and overhead "
@@ -240,7 +245,8 @@ class RunPlan:
     """A run, every input checked: what :func:`check_run` returns and the run executes.
 
     ``adapters`` is ``None`` for the synthetic adapters; ``json_path`` is ``"-"`` for
-    stdout; ``progress`` says whether lines go to stderr.
+    stdout; ``progress`` says whether lines go to stderr; ``quantization`` is the base's
+    ``--quantize`` choice, its library importable.
     """
 
     backends: list[str]
@@ -255,6 +261,7 @@ class RunPlan:
     progress: bool
     memory: MemoryEstimate
     compile_backend: str = "auto"
+    quantization: Quantization = QUANTIZATIONS["none"]
 
 
 def check_run(args: argparse.Namespace) -> RunPlan:
@@ -270,6 +277,7 @@ def check_run(args: argparse.Namespace) -> RunPlan:
         check_plot_support(plot_path)
     compile_backend = check_compile_backend(args.compile_backend, devices)
     config, note = read_model_config(args.model_config)
+    quantization = check_quantization(args.quantize, config)
     given = _load_adapters(args.adapter) if args.adapter else None
     ranks = [rank for _, rank in given.values()] if given else [spec[0] for spec in SYNTHETIC_ADAPTERS.values()]
     adapters = {name: adapter for name, (adapter, _) in given.items()} if given else None
@@ -289,7 +297,8 @@ def check_run(args: argparse.Namespace) -> RunPlan:
     return RunPlan(backends=backends, devices=devices, config=config, note=note, adapters=adapters,
                    decode_steps=Workload.decode_steps if args.decode_steps is None else args.decode_steps,
                    rounds=ROUNDS if args.rounds is None else args.rounds, json_path=json_path, plot_path=plot_path,
-                   progress=not args.quiet and json_path != "-", memory=memory, compile_backend=compile_backend)
+                   progress=not args.quiet and json_path != "-", memory=memory, compile_backend=compile_backend,
+                   quantization=quantization)
 
 
 def _run(plan: RunPlan) -> int:
@@ -307,13 +316,15 @@ def _run(plan: RunPlan) -> int:
             adapters = plan.adapters
         workload = dataclasses.replace(default_workload(list(adapters)), decode_steps=plan.decode_steps)
         rows = run_simulation(plan.backends, plan.devices, config, adapters, workload, progress=plan.progress,
-                              rounds=plan.rounds, compile_backend=plan.compile_backend)
+                              rounds=plan.rounds, compile_backend=plan.compile_backend,
+                              quantization=plan.quantization)
     machine = machine_info()
-    document = to_json(config, workload, rows, plan.rounds, machine)
+    document = to_json(config, workload, rows, plan.rounds, machine, plan.quantization)
     if plan.json_path == "-":
         print(json.dumps(document, indent=2))
     else:
-        print(format_header(config, list(adapters), workload, plan.rounds, machine, plan.memory))
+        print(format_header(config, list(adapters), workload, plan.rounds, machine, plan.memory,
+                            plan.quantization))
         print(format_rows(rows))
         if plan.json_path is not None:
             plan.json_path.write_text(json.dumps(document, indent=2))

@@ -3,14 +3,21 @@ exit status), with the limits taken from :mod:`.checks` so the help cannot drift
 
 from __future__ import annotations
 
+import textwrap
+
 from .bench import BENCHMARK_GROUP
 from .checks import CONFIG_RANGES, MAX_DECODE_STEPS, MAX_MEMORY_GIB, MAX_ROUNDS, MIN_ROUNDS, PLOT_SUFFIXES
+from .quantize import INT4_GROUP_SIZE, QUANTIZATIONS
 
 __all__ = ["DESCRIPTION", "EPILOG"]
 
 DESCRIPTION = "simulate a multi-LoRA serving run on every installed backend and device"
 
 _RANGES = "; ".join(f"{k} {lo}-{hi}" for k, (lo, hi) in CONFIG_RANGES.items() if k != "seed")
+
+_QUANTIZE = "\n".join(textwrap.fill(f"{q.name:<5} {q.describe}" + (f"; needs {q.package}" if q.package else ""),
+                                     width=84, initial_indent="  ", subsequent_indent=" " * 8)
+                       for q in QUANTIZATIONS.values())
 
 EPILOG = f"""\
 The default run needs nothing but this package: a small seeded decoder-shaped
@@ -38,6 +45,18 @@ keys (not fused or seed; Mixtral's num_local_experts as num_experts) are used, e
 other key is ignored (a note on stderr says which). --adapter adapters are served at
 the largest rank among them.
 
+--quantize: the base model's decoder-layer projections (q/k/v/o_proj or qkv_proj,
+gate/up/down_proj or gate_up_proj) are served quantized, made on the host and moved
+to each device; the embedding, the LM head, the norms and, in a mixture-of-experts
+model, the router and the fused experts (3-D parameters, not linear layers) stay
+fp32. The references are fp32 models holding each quantized layer's dequantized
+weight, so every row is checked at the same fp32 tolerance. Choices:
+{_QUANTIZE}
+bitsandbytes' layers are kept on its fp32 path (dequantize, then an fp32 matmul):
+its eval-mode CPU kernel computes in bfloat16. On cpu-graphsim the bitsandbytes
+rows are skipped (its 4-bit matmul is an opaque custom op the simulator cannot
+judge). The header and --json's "quantize" say which base ran.
+
 limits (checked before anything runs; bad input exits 2 with one line):
   --decode-steps 1-{MAX_DECODE_STEPS}; --rounds {MIN_ROUNDS}-{MAX_ROUNDS}
   --model-config integers: {_RANGES}; seed 0-2**63-1;
@@ -45,6 +64,9 @@ limits (checked before anything runs; bad input exits 2 with one line):
     num_attention_heads; num_experts_per_tok at most num_experts; fused is true or false
   memory: a run estimated to need more than --max-memory-gib (default {MAX_MEMORY_GIB:g})
     GiB is refused (fp32 copies of the model per adapter, plus LoRA buffers)
+  --quantize int8/int4 need torchao, nf4/fp4 bitsandbytes (pip install torchao,
+    pip install bitsandbytes); int4 needs hidden_size and intermediate_size
+    multiples of {INT4_GROUP_SIZE}
   --json and --plot: writable paths, checked first; --plot ends in
     {', '.join(PLOT_SUFFIXES)} and needs matplotlib (pip install matplotlib)
 
@@ -53,6 +75,7 @@ examples:
   lora-sim devices               # what was probed and found
   lora-sim bench --smoke         # the installed op benchmarks, tiny shapes
   lora-sim --json - --quiet      # the results as JSON on stdout, nothing on stderr
+  lora-sim --quantize nf4 --device cpu   # a bitsandbytes NF4 base, on the CPU
   lora-sim --adapter sql=path/to/peft_dir --model-config '{{"hidden_size": 512}}'
   lora-sim --adapter sql=path/to/peft_dir --model-config path/to/base_model/config.json
 

@@ -10,12 +10,13 @@ from lora_core.testing import DEVICE_NAMES, probe_device
 from ..models import TinyConfig
 from .checks import MemoryEstimate
 from .errors import UsageError
+from .quantize import QUANTIZATIONS, Quantization, quantized_layer_names
 from .run import SimRow
 from lora_core.testing.timing import Spread
 from .workload import Workload
 
-__all__ = ["format_compiled_decode", "format_devices", "format_header", "format_rows", "format_spread", "to_json",
-           "write_plot"]
+__all__ = ["format_compiled_decode", "format_devices", "format_header", "format_quantization", "format_rows",
+           "format_spread", "to_json", "write_plot"]
 
 
 def format_spread(spread: Spread, fmt: Callable[[float], str]) -> str:
@@ -61,16 +62,29 @@ def format_rows(rows: Sequence[SimRow]) -> str:
     return "\n".join(lines)
 
 
+def format_quantization(config: TinyConfig, quantization: Quantization) -> str:
+    """The "base weights" line: what ``--quantize`` served the decoder projections as, and how
+    the reference was built."""
+    if quantization.name == "none":
+        return "base weights: fp32 (--quantize none)"
+    layers = len(quantized_layer_names(config))
+    return (f"base weights: --quantize {quantization.name}, {quantization.describe}, on the {layers} "
+            "projections of the decoder layers (everything else fp32); references: fp32 with the "
+            "dequantized weights")
+
+
 def format_header(config: TinyConfig, adapters: Sequence[str], workload: Workload, rounds: int,
-                  machine: Mapping[str, Any], memory: MemoryEstimate | None = None) -> str:
-    """The lines printed above the table: what was served, how it was timed, on what machine,
-    and (given ``memory``) what one adapter slot holds."""
+                  machine: Mapping[str, Any], memory: MemoryEstimate | None = None,
+                  quantization: Quantization = QUANTIZATIONS["none"]) -> str:
+    """The lines printed above the table: what was served (the base weights of ``quantization``
+    among it), how it was timed, on what machine, and (given ``memory``) what one adapter slot holds."""
     gpu = f", {machine['cuda_device']}" if "cuda_device" in machine else ""
     per_slot = [] if memory is None else [f"memory per adapter slot: {memory.per_slot()}"]
     return "\n".join([
         f"lora-sim: model {config.to_dict()}, adapters {list(adapters)}, "
         f"{len(workload.prompt_lens)} prompts of {list(workload.prompt_lens)} tokens, "
         f"{workload.decode_steps} decode steps",
+        format_quantization(config, quantization),
         f"machine: {machine['cpu']} ({machine['cpu_count']} cores){gpu}, torch {machine['torch']}, "
         f"{machine['threads']} threads, Python {machine['python']}",
         f"timings: median (min–max) over {rounds} rounds, the LoRA and the base model interleaved in each",
@@ -78,10 +92,14 @@ def format_header(config: TinyConfig, adapters: Sequence[str], workload: Workloa
 
 
 def to_json(config: TinyConfig, workload: Workload, rows: Sequence[SimRow], rounds: int,
-            machine: Mapping[str, Any]) -> dict[str, Any]:
+            machine: Mapping[str, Any], quantization: Quantization = QUANTIZATIONS["none"]) -> dict[str, Any]:
     """The full results as a JSON-able document; each timed figure carries its per-round
-    ``samples`` and each row its raw per-round seconds (``details.seconds``)."""
+    ``samples`` and each row its raw per-round seconds (``details.seconds``). ``quantize`` says
+    what base was served: ``{"name", "describe", "layers"}`` (the ``--quantize`` choice, what its
+    layers are, the names of the layers it replaced: none for ``none``); each row repeats the name."""
+    layers = [] if quantization.name == "none" else quantized_layer_names(config)
     return {"machine": dict(machine), "config": config.to_dict(), "workload": asdict(workload), "rounds": rounds,
+            "quantize": {"name": quantization.name, "describe": quantization.describe, "layers": layers},
             "rows": [asdict(r) for r in rows]}
 
 

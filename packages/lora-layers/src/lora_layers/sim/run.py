@@ -32,6 +32,7 @@ from lora_core.testing import (
 
 from ..models import TinyConfig, TinyDecoder
 from .errors import UsageError
+from .quantize import QUANTIZATIONS, Quantization, dequantized_model, quantize_model
 from .reference import ScaledCheck, merged_reference_models, reference_logits
 from .serving import AdapterSources, build_multilora, load_adapters
 from lora_core.testing.timing import Interleaved, Spread, sync_device
@@ -90,13 +91,15 @@ class SimRow:
     "recompiles", "steps"}`` (the compile backend and why it was chosen, the seconds of the
     first call, which compiles, warm-up included; graphs compiled, compiles after the first,
     compiled steps served; any recompile fails the row, so a row that ran has 1 and 0), and
-    ``decode_tokens_per_s`` is the compiled step's.
+    ``decode_tokens_per_s`` is the compiled step's. ``quantize`` is the ``--quantize`` choice
+    the base model's decoder projections were served in (``"none"``: fp32).
     """
 
     backend: str
     device: str
     status: str
     reason: str = ""
+    quantize: str = "none"
     max_abs_error: float | None = None
     tolerance: str = ""
     prefill_tokens_per_s: Spread | None = None
@@ -178,7 +181,7 @@ def _time_decode(steps: Mapping[str, Callable[[], torch.Tensor]], step_ids: torc
 
 def run_row(backend: str, device_name: str, config: TinyConfig, adapters: AdapterSources,
             workload: Workload, references: Mapping[str | None, TinyDecoder], rounds: int = ROUNDS,
-            compile_backend: str = "auto") -> SimRow:
+            compile_backend: str = "auto", quantization: Quantization = QUANTIZATIONS["none"]) -> SimRow:
     """Serve ``workload`` with ``backend`` on device ``device_name`` and check and time it.
 
     Prefill (eager in every mode), then ``rounds`` rounds of the LoRA and the base
@@ -187,16 +190,21 @@ def run_row(backend: str, device_name: str, config: TinyConfig, adapters: Adapte
     ``rounds`` rounds of ``workload.decode_steps`` greedy steps from the prefill's
     tokens, a different adapter mix each step, the LoRA and the base model
     interleaved step by step. Every timed output is checked. ``compile_backend``: see
-    :func:`compile_backend_for`.
+    :func:`compile_backend_for`. ``quantization``: the base model's decoder projections are
+    quantized on the host (:func:`~lora_layers.sim.quantize.quantize_model`) before it moves to
+    the device; ``references`` must then hold its dequantized weights (:func:`run_simulation`); on
+    the graph simulator a quantization it cannot judge is a ``"skipped"`` row saying why.
     """
     probe = probe_device(device_name)
     if not probe.available:
-        return SimRow(backend, device_name, "skipped", reason=probe.reason)
+        return SimRow(backend, device_name, "skipped", reason=probe.reason, quantize=quantization.name)
     device = make_device(device_name)
+    if device.simulated and quantization.not_simulated:
+        return SimRow(backend, device_name, "skipped", reason=quantization.not_simulated, quantize=quantization.name)
     dev = device.torch_device
     sync = sync_device(torch.device(dev).type)
     torch.manual_seed(workload.seed)
-    model = TinyDecoder(config).to(dev)
+    model = quantize_model(TinyDecoder(config), quantization).to(dev)
     base_model = copy.deepcopy(model)
     mlora = build_multilora(model, config, adapters, backend)
 
@@ -236,7 +244,8 @@ def run_row(backend: str, device_name: str, config: TinyConfig, adapters: Adapte
             try:
                 static_out, replay = device.capture(model, step_ids)
             except CaptureError as err:
-                return SimRow(backend, device_name, "fail", reason=str(err), graph_safety=f"unsafe: {err}")
+                return SimRow(backend, device_name, "fail", reason=str(err), graph_safety=f"unsafe: {err}",
+                              quantize=quantization.name)
             step = _replayer(static_out, replay)
             verdict = "safe (strict simulated capture)" if device.simulated else "captured"
         decode = _time_decode({"lora": step, "base": lambda: base_model(step_ids)}, step_ids, first_ids,
@@ -247,7 +256,8 @@ def run_row(backend: str, device_name: str, config: TinyConfig, adapters: Adapte
         compiled.update(compiles=replay.compiles, recompiles=replay.recompiles, steps=replay.replays)
     seconds = {"prefill": prefill.samples,
                "decode_step": {k: _chunks(v, workload.decode_steps) for k, v in decode.samples.items()}}
-    return SimRow(backend, device_name, "pass" if check.ok else "fail", max_abs_error=check.max_error,
+    return SimRow(backend, device_name, "pass" if check.ok else "fail", quantize=quantization.name,
+                  max_abs_error=check.max_error,
                   tolerance=check.tolerance, launches_per_decode_step=launches, graph_safety=verdict,
                   compiled_decode=compiled, details={"rounds": rounds, "seconds": seconds},
                   **_figures(sum(lens), B, prefill.samples, seconds["decode_step"]))
@@ -255,9 +265,13 @@ def run_row(backend: str, device_name: str, config: TinyConfig, adapters: Adapte
 
 def run_simulation(backends: Sequence[str], devices: Sequence[str], config: TinyConfig,
                    adapters: AdapterSources, workload: Workload, progress: bool = True,
-                   rounds: int = ROUNDS, compile_backend: str = "auto") -> list[SimRow]:
+                   rounds: int = ROUNDS, compile_backend: str = "auto",
+                   quantization: Quantization = QUANTIZATIONS["none"]) -> list[SimRow]:
     """One :func:`run_row` per backend x device, in that order; a row that raises
     ``ValueError``/``RuntimeError``/``TypeError`` becomes an ``"error"`` row.
+
+    ``quantization``: every row serves a base quantized with it, and the fp32 references are
+    built from that base's dequantized weights (:func:`~lora_layers.sim.quantize.dequantized_model`).
 
     ``progress``: a line on stderr when the fp32 references are built and one per row as
     it finishes (``lora-sim: [3/16] ascend / cpu-compile: pass, 4.1 s``); on a terminal
@@ -267,17 +281,21 @@ def run_simulation(backends: Sequence[str], devices: Sequence[str], config: Tiny
     say = _Progress(len(jobs)) if progress else None
     loaded = load_adapters(adapters)  # each adapter read once per run, whatever number of rows
     if say:
-        say.line(f"building {len(loaded) + 1} fp32 reference models")
-    references = merged_reference_models(TinyDecoder(config), loaded)
+        base = "" if quantization.name == "none" else f" from the dequantized {quantization.name} base"
+        say.line(f"building {len(loaded) + 1} fp32 reference models{base}")
+    references = merged_reference_models(dequantized_model(quantize_model(TinyDecoder(config), quantization),
+                                                           quantization), loaded)
     rows = []
     for backend, device_name in jobs:
         if say:
-            say.start(f"{backend} / {device_name}")
+            say.start(f"{backend} / {device_name}" + ("" if quantization.name == "none" else
+                                                      f" ({quantization.name} base)"))
         try:
             rows.append(run_row(backend, device_name, config, loaded, workload, references, rounds,
-                                compile_backend))
+                                compile_backend, quantization))
         except (ValueError, RuntimeError, TypeError) as err:
-            rows.append(SimRow(backend, device_name, "error", reason=f"{type(err).__name__}: {err}"))
+            rows.append(SimRow(backend, device_name, "error", reason=f"{type(err).__name__}: {err}",
+                               quantize=quantization.name))
         if say:
             row = rows[-1]
             say.finish(row.status if row.status == "pass" else f"{row.status}: {row.reason}"[:100])
