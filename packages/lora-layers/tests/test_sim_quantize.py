@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from lora_layers import sim
+from lora_layers.layers.dense_weight import dense_weight
 from lora_layers.models import TinyDecoder
 from lora_layers.sim.cli import read_model_config
 from lora_layers.sim.quantize import QUANTIZATIONS, dequantized_model, quantize_model, quantized_layer_names
@@ -80,7 +81,7 @@ def test_checked_against_the_unquantized_reference_the_rows_would_fail(name, tmp
     """The check can fail: references of the fp32 weights the base was quantized from, not of its
     dequantized weights, miss the tolerance on every row."""
     _needs_library(name)
-    monkeypatch.setattr(sim.run, "dequantized_model", lambda quantized, quantization: TinyDecoder(quantized.config))
+    monkeypatch.setattr(sim.run, "dequantized_model", lambda quantized: TinyDecoder(quantized.config))
     code, document = _run(tmp_path, name, "--device", "cpu", "--backend", "torch_native")
     assert code == 1
     (row,) = document["rows"]
@@ -92,7 +93,7 @@ def test_the_dequantized_model_computes_what_the_quantized_one_does(name):
     _needs_library(name)
     config, _ = read_model_config(CONFIG)
     quantized = quantize_model(TinyDecoder(config), QUANTIZATIONS[name])
-    dense = dequantized_model(quantized, QUANTIZATIONS[name])
+    dense = dequantized_model(quantized)
     ids = torch.randint(0, config.vocab_size, (20,), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         for _ in range(2):  # a library that changes a layer on its first call (bitsandbytes' CPU repack) shows
@@ -116,7 +117,7 @@ def test_bitsandbytes_layers_compute_in_fp32_in_eval_mode(name):
     with torch.no_grad():
         layer(x)
         got = layer(x)
-    weight = QUANTIZATIONS[name].dequantize(layer)
+    weight = dense_weight(layer.weight)
     assert layer.weight.quant_state.dtype == torch.float32
     assert (got - x @ weight.T).abs().max().item() < 1e-5
 

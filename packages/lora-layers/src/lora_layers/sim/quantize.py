@@ -20,6 +20,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from ..layers.dense_weight import dense_weight
 from ..models import TinyConfig, TinyDecoder
 from .errors import UsageError
 
@@ -37,8 +38,8 @@ class Quantization:
     ``library``/``package``: the module imported and the package that provides it (``None``: no
     library). ``describe``: what the base layers are, for the help, the table header and the JSON.
     ``quantize(layer)``: a quantized layer computing what ``layer`` (an fp32 ``nn.Linear`` on the
-    host) computes, its weight stored quantized. ``dequantize(layer)``: that layer's weight as the
-    ``(out_features, in_features)`` fp32 tensor its forward multiplies by. ``group_size``: when set,
+    host) computes, its weight stored quantized (read back dense by
+    :func:`lora_layers.layers.dense_weight.dense_weight`, as DoRA's norm is). ``group_size``: when set,
     each quantized layer's ``in_features`` must be a multiple of it. ``not_simulated``: why the graph
     simulator (``cpu-graphsim``) cannot judge a capture of these layers, whose rows there are then
     skipped with it as the reason; ``None`` when it can.
@@ -49,7 +50,6 @@ class Quantization:
     package: str | None
     describe: str
     quantize: Callable[[nn.Linear], nn.Module]
-    dequantize: Callable[[nn.Module], torch.Tensor]
     group_size: int | None = None
     not_simulated: str | None = None
 
@@ -85,10 +85,6 @@ def _int4_config() -> object:
                                                                 granularity=granularity.PerGroup(INT4_GROUP_SIZE))
 
 
-def _torchao_dequantize(layer: nn.Module) -> torch.Tensor:
-    return layer.weight.dequantize().float()
-
-
 def _bnb_4bit(quant_type: str) -> Callable[[nn.Linear], nn.Module]:
     """A ``bnb.nn.Linear4bit`` of ``quant_type`` (``"nf4"``/``"fp4"``, blocks of 64) computing in fp32.
 
@@ -114,36 +110,27 @@ def _bnb_4bit(quant_type: str) -> Callable[[nn.Linear], nn.Module]:
     return quantize
 
 
-def _bnb_dequantize(layer: nn.Module) -> torch.Tensor:
-    functional = _import("bitsandbytes.functional")
-    return functional.dequantize_4bit(layer.weight.data, layer.weight.quant_state).float()
-
-
 def _unquantized(layer: nn.Linear) -> nn.Module:
     return layer
-
-
-def _dense(layer: nn.Module) -> torch.Tensor:
-    return layer.weight.detach().float()
 
 
 _BNB_NOT_SIMULATED = ("bitsandbytes' 4-bit matmul is an opaque custom op (bitsandbytes::gemm_4bit): the graph "
                       "simulator cannot see its host logic, so only real graph hardware can say whether it captures")
 
 QUANTIZATIONS: dict[str, Quantization] = {q.name: q for q in (
-    Quantization("none", None, None, "fp32 (not quantized)", _unquantized, _dense),
+    Quantization("none", None, None, "fp32 (not quantized)", _unquantized),
     Quantization("int8", "torchao", "torchao",
                  "torchao int8 weight-only (Int8WeightOnlyConfig: symmetric, one scale per output row)",
-                 _torchao(_int8_config), _torchao_dequantize),
+                 _torchao(_int8_config)),
     Quantization("int4", "torchao", "torchao",
                  f"torchao int4 weight-only values (IntxWeightOnlyConfig, weight_dtype int4: symmetric, "
                  f"one scale per {INT4_GROUP_SIZE} input features; values -8..7 stored one per int8 byte)",
-                 _torchao(_int4_config), _torchao_dequantize, group_size=INT4_GROUP_SIZE),
+                 _torchao(_int4_config), group_size=INT4_GROUP_SIZE),
     Quantization("nf4", "bitsandbytes", "bitsandbytes",
-                 "bitsandbytes Linear4bit NF4 (blocks of 64, fp32 compute)", _bnb_4bit("nf4"), _bnb_dequantize,
+                 "bitsandbytes Linear4bit NF4 (blocks of 64, fp32 compute)", _bnb_4bit("nf4"),
                  not_simulated=_BNB_NOT_SIMULATED),
     Quantization("fp4", "bitsandbytes", "bitsandbytes",
-                 "bitsandbytes Linear4bit FP4 (blocks of 64, fp32 compute)", _bnb_4bit("fp4"), _bnb_dequantize,
+                 "bitsandbytes Linear4bit FP4 (blocks of 64, fp32 compute)", _bnb_4bit("fp4"),
                  not_simulated=_BNB_NOT_SIMULATED),
 )}
 """The ``--quantize`` choices by name; ``none`` (the default) serves the fp32 model."""
@@ -198,10 +185,10 @@ def quantize_model(model: TinyDecoder, quantization: Quantization) -> TinyDecode
     return model.eval()
 
 
-def dequantized_model(quantized: TinyDecoder, quantization: Quantization) -> TinyDecoder:
+def dequantized_model(quantized: TinyDecoder) -> TinyDecoder:
     """A dense fp32 :class:`TinyDecoder` (on the host) computing what ``quantized`` (made by
-    :func:`quantize_model` with ``quantization``) computes: the weight of each layer that
-    ``quantization`` replaced is its dequantized weight, every other parameter a copy."""
+    :func:`quantize_model`) computes: the weight of each replaced layer is its dequantized weight
+    (:func:`~lora_layers.layers.dense_weight.dense_weight`), every other parameter a copy."""
     dense = TinyDecoder(quantized.config)
     modules = dict(quantized.named_modules())
     replaced = set(quantized_layer_names(quantized.config))
@@ -210,7 +197,7 @@ def dequantized_model(quantized: TinyDecoder, quantization: Quantization) -> Tin
             owner, _, leaf = name.rpartition(".")
             module = modules[owner]
             if owner in replaced and leaf == "weight":
-                value = quantization.dequantize(module)
+                value = dense_weight(module.weight)
             else:
                 value = getattr(module, leaf)
             param.copy_(value.detach().float().cpu())

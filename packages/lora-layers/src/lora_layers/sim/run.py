@@ -283,8 +283,8 @@ def run_simulation(backends: Sequence[str], devices: Sequence[str], config: Tiny
     if say:
         base = "" if quantization.name == "none" else f" from the dequantized {quantization.name} base"
         say.line(f"building {len(loaded) + 1} fp32 reference models{base}")
-    references = merged_reference_models(dequantized_model(quantize_model(TinyDecoder(config), quantization),
-                                                           quantization), loaded)
+    references = merged_reference_models(dequantized_model(quantize_model(TinyDecoder(config), quantization)),
+                                         loaded)
     rows = []
     for backend, device_name in jobs:
         if say:
