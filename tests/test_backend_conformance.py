@@ -378,14 +378,18 @@ def test_empty_adapter_tables_mean_no_delta_on_every_op(device, backend_name, ba
                 backend.run_lm_head(x, head_a, head_b, logits.clone(), pruned=False),
                 backend.run_added_tokens(ids, added, V - 2, embedded.clone()),
                 backend.run_dora_scale(base.clone(), factors, bias),
-                backend.run_experts_lora(xk, expert_ids, ea, eb, base_k.clone()))
+                backend.run_experts_lora(xk, expert_ids, ea, eb, base_k.clone()),
+                backend.run_experts_lora_a(xk, expert_ids, ea),
+                backend.run_experts_lora_b(yk, expert_ids, eb, base_k.clone()))
 
+    yk = rand(T, K, R)
     inputs = (x, base, ids, xk, expert_ids, base_k, logits, embedded)
     outs, _ = device.run_two_batches(every_op, inputs, lambda: None)
+    experts = (base_k, torch.zeros(T, K, R), base_k)
     if empty == "slots":
-        want = (torch.zeros(T, R), base, torch.zeros(T, R), logits, embedded, base, base_k)
+        want = (torch.zeros(T, R), base, torch.zeros(T, R), logits, embedded, base, *experts)
     else:
-        want = (None, None, None, None, None, None, base_k)  # only the experts' table is empty here
+        want = (None, None, None, None, None, None, *experts)  # only the experts' table is empty here
     for i, (out, expected) in enumerate(zip(outs, want)):
         if expected is not None:
             assert torch.equal(out.cpu(), expected.cpu()), f"op {i} added a delta"

@@ -32,8 +32,8 @@ def test_tp2_experts_match_the_unsharded_experts(tmp_path):
 
 
 def test_tp2_fully_sharded_wrappers_match_the_unsharded_layer(tmp_path):
-    """fully_sharded=True on the column-parallel (plain, gate_up, qkv), row-parallel and vocab-parallel
-    embedding wrappers: both backends, eager (LoRA in float32 and in bf16 beside a float32 model) and a refilled
-    graph-mode batch, two batches each."""
+    """fully_sharded=True on the column-parallel (plain, gate_up, qkv), row-parallel, vocab-parallel
+    embedding and fused experts wrappers: both backends, eager (LoRA in float32 and in bf16 beside a float32
+    model) and a refilled graph-mode batch, two batches each."""
     for rank, out in enumerate(_run_tp2("tp_fully_sharded_worker.py", tmp_path)):
-        assert f"rank {rank}: 72 fully sharded checks match the unsharded layer" in out, out
+        assert f"rank {rank}: 84 fully sharded checks match the unsharded layer" in out, out

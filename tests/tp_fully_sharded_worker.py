@@ -1,7 +1,7 @@
 """One rank of the fully sharded tensor-parallel check (run by test_tensor_parallel.py, 2 gloo processes).
 
-Each tensor-parallel wrapper built with ``fully_sharded=True`` must give the output of the
-unsharded replicated wrapper, on both backends, for an eager batch and for a graph-mode
+Each tensor-parallel wrapper built with ``fully_sharded=True`` (column, gate_up, qkv, row,
+vocab-parallel embedding, fused experts) must give the output of the unsharded replicated wrapper, on both backends, for an eager batch and for a graph-mode
 batch refilled with another one, with adapters of mixed ranks (a rank-0 slot, a base
 request); and hold ``1/tp`` of the adapters' A and B where today's wrapper replicates one
 of them. Prints one line per wrapper with its per-process adapter bytes, today's and fully sharded.
@@ -15,27 +15,52 @@ from torch import nn
 
 from lora_ascend import AscendBackend
 from lora_core import build_batch_info
+from lora_core.adapters import LoRAModuleWeights
 from lora_cuda import TorchNativeBackend
 from lora_layers import (
     ColumnParallelLinearWithLoRA,
     EmbeddingWithLoRA,
+    ExpertsWithLoRA,
     LinearWithLoRA,
     LoRAContext,
     MergedColumnParallelLinearWithLoRA,
+    ParallelExpertsWithLoRA,
     QKVParallelLinearWithLoRA,
     RowParallelLinearWithLoRA,
     TensorParallel,
 )
 from lora_layers.parallel import shard_range
-from tp_common import RANKS, SCALINGS, R, column_shard_rows, load_adapters, random_adapters, random_linear
+from tp_common import (
+    RANKS,
+    SCALINGS,
+    R,
+    Experts,
+    column_shard_rows,
+    experts_shard,
+    load_adapters,
+    random_adapters,
+    random_linear,
+)
 
 BATCHES = [([3, 2, 4], [0, None, 1]), ([1, 5, 2, 1], [1, 2, 0, None])]  # (seq_lens, slots); slot 2 has rank 0
 T = 9
 H = 16
+E, I, K = 4, 12, 2  # fused experts: experts, (unsharded) intermediate size, top-k
 
 
 def _bytes(*tensors):
     return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _expert_pair(gen, in_features, out_features, r):
+    """One expert parameter's unsharded LoRA weights of rank ``r``: ``A (E, r, in)``, ``B (E, out, r)``."""
+    return LoRAModuleWeights("experts", "experts", torch.randn(E, r, in_features, generator=gen),
+                             torch.randn(E, out_features, r, generator=gen), 1.0)
+
+
+def _expert_buffer_bytes(wrapper):
+    """``(A, B)`` bytes of each expert parameter's LoRA buffers: gate_up's, then down's."""
+    return [(_bytes(buf.a), _bytes(buf.b)) for buf in (wrapper.gate_up, wrapper.down)]
 
 
 def _contexts(backend_cls):
@@ -145,6 +170,27 @@ def main(rank: int, world: int, init_method: str) -> None:
             assert _bytes(fully.buffers.b) * world == _bytes(reference.buffers.b)
             assert _bytes(fully.buffers.a) == _bytes(today.buffers.a)
             sizes["embedding"] = (_bytes(today.buffers.a, today.buffers.b), _bytes(fully.buffers.a, fully.buffers.b))
+
+            # fused experts: intermediate-parallel; fully sharded, gate_up's A and down's B split by H
+            gate_up, down = torch.randn(E, 2 * I, H, generator=gen) / H**0.5, torch.randn(E, H, I, generator=gen) / I**0.5
+            adapters = {slot: {0: _expert_pair(gen, H, 2 * I, r), 1: _expert_pair(gen, I, H, r)}
+                        for slot, r in enumerate(RANKS) if r}  # slot 2 (rank 0) holds no adapter
+            routes = [(torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)]),
+                       torch.softmax(torch.randn(T, K, generator=gen), -1)) for _ in range(2)]
+            reference = ExpertsWithLoRA(Experts(gate_up, down), ctx)
+            today = ParallelExpertsWithLoRA(experts_shard(gate_up, down, rank, world), ctx, tp)
+            fully = ParallelExpertsWithLoRA(experts_shard(gate_up, down, rank, world), ctx, tp, fully_sharded=True)
+            for slot, parts in adapters.items():
+                for wrapper in (reference, today, fully):
+                    wrapper.load_slot(slot, parts, 1.0)
+            for b, (top_k_index, top_k_weights) in enumerate(routes):
+                _set_batch(ctx, mode, b)
+                check(f"experts ({tag}, batch {b})", fully(x, top_k_index, top_k_weights),
+                      reference(x, top_k_index, top_k_weights))
+            for (a_fully, b_fully), (a_full, b_full) in zip(_expert_buffer_bytes(fully),
+                                                            _expert_buffer_bytes(reference)):
+                assert a_fully * world == a_full and b_fully * world == b_full, "experts"
+            sizes["experts"] = tuple(sum(map(sum, _expert_buffer_bytes(w))) for w in (today, fully))
 
     dist.barrier()
     dist.destroy_process_group()

@@ -9,24 +9,16 @@ import sys
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from torch import nn
 
 from lora_core import build_batch_info, get_backend
 from lora_core.adapters import LoRAModuleWeights
 from lora_layers import ExpertsWithLoRA, LoRAContext, ParallelExpertsWithLoRA, TensorParallel
-from lora_layers.parallel import shard_range
+from tp_common import Experts, experts_shard
 
 E, H, I, K, R = 4, 16, 12, 2, 4
 RANKS, SCALINGS = [4, 2, 0], [0.5, 2.0, 1.0]
 SEQ_LENS, SLOTS = [3, 2, 4], [0, None, 1]
 T = sum(SEQ_LENS)
-
-
-class Experts(nn.Module):
-    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor) -> None:
-        super().__init__()
-        self.gate_up_proj, self.down_proj, self.act_fn = nn.Parameter(gate_up), nn.Parameter(down), F.silu
 
 
 def _weights(gen, in_f, out_f, r):
@@ -43,9 +35,7 @@ def main(rank: int, world: int, init_method: str) -> None:
     x = torch.randn(T, H, generator=gen)
     top_k_index = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)])
     top_k_weights = torch.softmax(torch.randn(T, K, generator=gen), -1)
-    start, stop = shard_range(I, tp.rank, tp.size)
-    local = Experts(torch.cat([gate_up[:, start:stop], gate_up[:, I + start : I + stop]], dim=1).clone(),
-                    down[:, :, start:stop].clone())
+    local = experts_shard(gate_up, down, tp.rank, tp.size)
     for backend_name in ("torch_native", "ascend"):
         ctx = LoRAContext(get_backend(backend_name)(), num_slots=3, max_rank=R, dtype=torch.float32, device="cpu")
         ctx.backend.prepare_batch(build_batch_info(SEQ_LENS, SLOTS, RANKS, SCALINGS, device="cpu"))

@@ -7,7 +7,8 @@ import pytest
 from lora_core import LoRABackend, available_backends, get_backend
 
 ABSTRACT = {"batch_info", "prepare_batch", "init_graph_batch_info", "run_lora_a", "run_lora_b", "run_lm_head",
-            "run_lora_a_embedding", "run_added_tokens", "run_packed", "run_dora_scale", "run_experts_lora"}
+            "run_lora_a_embedding", "run_added_tokens", "run_packed", "run_dora_scale", "run_experts_lora",
+            "run_experts_lora_a", "run_experts_lora_b"}
 
 
 def test_every_backend_method_is_abstract():

@@ -8,7 +8,7 @@ import torch
 
 from lora_core import BatchInfo, BatchInfoBackend, BatchPlan
 from lora_cuda.dora_ops import dora_scale_fwd
-from lora_cuda.expert_ops import experts_lora_fwd
+from lora_cuda.expert_ops import experts_lora_a_fwd, experts_lora_b_fwd, experts_lora_fwd
 from lora_cuda.graph_ops import check_graph_kernel, graph_plan_types
 
 from .embedding import vectorized_lora_a_embedding_fwd
@@ -58,3 +58,11 @@ class AscendBackend(BatchInfoBackend):
         # graph-safe for every batch: a fixed set of launches whatever the router picks
         return experts_lora_fwd(x, expert_ids, a_weights, b_weights, batch_info, base_output, graph_safe=True,
                                 graph_kernel=self.graph_kernel)
+
+    def experts_shrink(self, x, expert_ids, a_weights, batch_info) -> torch.Tensor:
+        return experts_lora_a_fwd(x, expert_ids, a_weights, batch_info, graph_safe=True,
+                                  graph_kernel=self.graph_kernel)
+
+    def experts_expand(self, x, expert_ids, b_weights, batch_info, base_output) -> torch.Tensor:
+        return experts_lora_b_fwd(x, expert_ids, b_weights, batch_info, base_output, graph_safe=True,
+                                  graph_kernel=self.graph_kernel)

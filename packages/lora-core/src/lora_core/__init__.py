@@ -10,7 +10,8 @@ from .adapters import (
     peft_scaling,
 )
 from .adapter_writer import save_peft_adapter
-from .backend import BatchInfoBackend, LoRABackend, available_backends, get_backend
+from .backend import BatchInfoBackend, LoRABackend
+from .backend_registry import available_backends, get_backend
 from .batch_info import BatchInfo, build_batch_info
 from .graphs import is_capturing
 from .layout import AdapterSlots, EmbeddingLoRABuffers, LinearLoRABuffers, slice_offsets_from_widths

@@ -1,16 +1,15 @@
-"""The backend interface every LoRA backend implements, and the registry that finds them.
+"""The backend interface every LoRA backend implements (the registry that finds them:
+:mod:`lora_core.backend_registry`).
 
 Every op is abstract (``run_qkv`` and ``run_gate_up`` are :meth:`LoRABackend.run_packed`
 under the names vLLM- and SGLang-style callers use): a backend that forgets one
 cannot be instantiated, so the upstream failure mode (a base-class method silently
-returning ``None`` and a crash far away) is impossible. Backends register under the ``lora_core.backends``
-entry-point group; :func:`get_backend` returns the class by name.
+returning ``None`` and a crash far away) is impossible.
 """
 
 from __future__ import annotations
 
 import abc
-from importlib.metadata import entry_points
 from typing import Sequence
 
 import torch
@@ -20,9 +19,7 @@ from .checks import check_device
 from .plans import BatchPlan
 from .validation import check_added_token_inputs, normalize_slice_offsets
 
-__all__ = ["LoRABackend", "BatchInfoBackend", "get_backend", "available_backends", "ENTRY_POINT_GROUP"]
-
-ENTRY_POINT_GROUP = "lora_core.backends"
+__all__ = ["LoRABackend", "BatchInfoBackend"]
 
 SliceOffsets = Sequence[int] | torch.Tensor
 
@@ -235,28 +232,42 @@ class LoRABackend(abc.ABC):
                 e = expert_ids[t, k]
                 if slot_t >= 0 and 0 <= e < E:
                     out[t, k] += s_t * b_weights[slot_t, e, :, :r_t] @ a_weights[slot_t, e, :r_t] @ x[t, k]
+
+        which is ``run_experts_lora_b(run_experts_lora_a(x, expert_ids, a_weights), expert_ids, b_weights,
+        base_output)`` in one op.
         """
 
 
-def _backend_entry_points() -> dict:
-    return {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
+    @abc.abstractmethod
+    def run_experts_lora_a(self, x: torch.Tensor, expert_ids: torch.Tensor, a_weights: torch.Tensor) -> torch.Tensor:
+        """Scaled shrink of one expert parameter, the first half of :meth:`run_experts_lora`:
+        ``x (T, K, in)``, ``expert_ids (T, K)`` int, ``a_weights (L, E, R, in)`` -> ``(T, K, R)``.
+        A tensor-parallel caller may sum the shrinks of its shards (an all-reduce) before the expand.
 
+        Semantics::
 
-def available_backends() -> list[str]:
-    """Names of the installed backends."""
-    return sorted(_backend_entry_points())
+            out = zeros(T, K, R)
+            for t, k in tokens, top-k choices:
+                e = expert_ids[t, k]
+                if slot_t >= 0 and 0 <= e < E:
+                    out[t, k, :r_t] = s_t * a_weights[slot_t, e, :r_t] @ x[t, k]
+        """
 
+    @abc.abstractmethod
+    def run_experts_lora_b(self, x: torch.Tensor, expert_ids: torch.Tensor, b_weights: torch.Tensor,
+                           base_output: torch.Tensor | None = None) -> torch.Tensor:
+        """Expand of one expert parameter, the second half of :meth:`run_experts_lora`:
+        ``x (T, K, R)`` (a shrink's output), ``expert_ids (T, K)`` int, ``b_weights (L, E, out, R)``
+        -> ``(T, K, out)``, accumulated into ``base_output`` in place when given (and returned).
 
-def get_backend(name: str) -> type[LoRABackend]:
-    """The backend class registered as ``name``."""
-    eps = _backend_entry_points()
-    if name not in eps:
-        installed = ", ".join(sorted(eps)) or "none (install lora-cuda or lora-ascend)"
-        raise ValueError(f"unknown LoRA backend {name!r}; installed backends: {installed}")
-    cls = eps[name].load()
-    if not (isinstance(cls, type) and issubclass(cls, LoRABackend)):
-        raise TypeError(f"entry point {name!r} ({eps[name].value}) is not a LoRABackend subclass")
-    return cls
+        Semantics::
+
+            out = base_output if base_output is not None else zeros(T, K, out)
+            for t, k in tokens, top-k choices:
+                e = expert_ids[t, k]
+                if slot_t >= 0 and 0 <= e < E:
+                    out[t, k] += b_weights[slot_t, e, :, :r_t] @ x[t, k, :r_t]
+        """
 
 
 class BatchInfoBackend(LoRABackend):
@@ -266,7 +277,8 @@ class BatchInfoBackend(LoRABackend):
     implements every ``run_*`` method, the packed projections (any number of slices)
     and the LM head as a shrink followed by an expand, and the added-token rows.
     Subclasses implement :meth:`plan_types`, :meth:`shrink`, :meth:`expand`,
-    :meth:`embedding_shrink`, :meth:`dora_scale` and :meth:`experts_lora` (still abstract here).
+    :meth:`embedding_shrink`, :meth:`dora_scale`, :meth:`experts_lora`, :meth:`experts_shrink`
+    and :meth:`experts_expand` (still abstract here).
 
     Args:
         device: where batches and weights live.
@@ -365,3 +377,19 @@ class BatchInfoBackend(LoRABackend):
     def experts_lora(self, x: torch.Tensor, expert_ids: torch.Tensor, a_weights: torch.Tensor,
                      b_weights: torch.Tensor, batch_info: BatchInfo, base_output: torch.Tensor | None) -> torch.Tensor:
         """:meth:`run_experts_lora` for an explicit batch."""
+
+    def run_experts_lora_a(self, x, expert_ids, a_weights) -> torch.Tensor:
+        return self.experts_shrink(x, expert_ids, a_weights, self.batch_info)
+
+    def run_experts_lora_b(self, x, expert_ids, b_weights, base_output=None) -> torch.Tensor:
+        return self.experts_expand(x, expert_ids, b_weights, self.batch_info, base_output)
+
+    @abc.abstractmethod
+    def experts_shrink(self, x: torch.Tensor, expert_ids: torch.Tensor, a_weights: torch.Tensor,
+                       batch_info: BatchInfo) -> torch.Tensor:
+        """:meth:`run_experts_lora_a` for an explicit batch."""
+
+    @abc.abstractmethod
+    def experts_expand(self, x: torch.Tensor, expert_ids: torch.Tensor, b_weights: torch.Tensor,
+                       batch_info: BatchInfo, base_output: torch.Tensor | None) -> torch.Tensor:
+        """:meth:`run_experts_lora_b` for an explicit batch."""

@@ -3,9 +3,11 @@
 For each token ``t`` of slot ``l`` (rank ``r``, scaling ``s``) and each of its
 top-k choices ``k`` (expert ``e = expert_ids[t, k]``)::
 
-    delta[t, k] = s * B_l[e, :, :r] @ (A_l[e, :r] @ x[t, k])
+    y[t, k, :r] = s * A_l[e, :r] @ x[t, k]          (the shrink: reference_experts_lora_a)
+    delta[t, k] = B_l[e, :, :r] @ y[t, k, :r]       (the expand: reference_experts_lora_b)
 
-added to that expert's projection output, where PEFT's ``ParamWrapper`` adds
+(the scaling applied by the shrink, as in :mod:`lora_core.reference`), added to
+that expert's projection output, where PEFT's ``ParamWrapper`` adds
 ``s * B_e @ A_e`` to the expert's weight: the gate_up output before the
 activation, the down output before the router weighting. Slot -1, rank 0 and
 expert ids outside ``[0, E)`` get a zero delta.
@@ -19,21 +21,17 @@ import torch
 
 from .batch_info import BatchInfo
 
-__all__ = ["reference_experts_lora", "reference_experts"]
+__all__ = ["reference_experts_lora_a", "reference_experts_lora_b", "reference_experts_lora", "reference_experts"]
 
 
 def _f32(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to(device="cpu", dtype=torch.float32)
 
 
-def reference_experts_lora(x: torch.Tensor, expert_ids: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-                           batch_info: BatchInfo) -> torch.Tensor:
-    """``x: (T, K, in)``, ``expert_ids: (T, K)`` int, ``a: (L, E, R, in)``, ``b: (L, E, out, R)``
-    -> delta ``(T, K, out)`` fp32."""
-    xf, af, bf = _f32(x), _f32(a), _f32(b)
+def _pairs_with_delta(expert_ids: torch.Tensor, batch_info: BatchInfo, num_experts: int):
+    """``(t, k, slot, e, r, s)`` of every dispatched pair that gets a delta: a slot ``>= 0`` of rank
+    ``r > 0`` (scaling ``s``) and an expert ``e`` in ``[0, E)``."""
     T, K = expert_ids.shape
-    E = a.shape[1]
-    out = torch.zeros(T, K, b.shape[2])
     slots = batch_info.token_slots_cpu[:T].tolist()
     ids = expert_ids.detach().cpu().tolist()
     for t in range(T):
@@ -42,10 +40,43 @@ def reference_experts_lora(x: torch.Tensor, expert_ids: torch.Tensor, a: torch.T
             continue
         r, s = batch_info.lora_ranks_host[slot], batch_info.scalings_host[slot]
         for k in range(K):
-            e = ids[t][k]
-            if 0 <= e < E:
-                out[t, k] = s * (bf[slot, e, :, :r] @ (af[slot, e, :r] @ xf[t, k]))
+            if 0 <= ids[t][k] < num_experts:
+                yield t, k, slot, ids[t][k], r, s
+
+
+def reference_experts_lora_a(x: torch.Tensor, expert_ids: torch.Tensor, a: torch.Tensor,
+                             batch_info: BatchInfo) -> torch.Tensor:
+    """Scaled shrink. ``x: (T, K, in)``, ``expert_ids: (T, K)`` int, ``a: (L, E, R, in)`` -> ``(T, K, R)`` fp32::
+
+        y[t, k, :r] = s * A_l[e, :r] @ x[t, k]      (zero beyond r, and for pairs without a delta)
+    """
+    xf, af = _f32(x), _f32(a)
+    out = torch.zeros(*expert_ids.shape, a.shape[2])
+    for t, k, slot, e, r, s in _pairs_with_delta(expert_ids, batch_info, a.shape[1]):
+        out[t, k, :r] = s * (af[slot, e, :r] @ xf[t, k])
     return out
+
+
+def reference_experts_lora_b(y: torch.Tensor, expert_ids: torch.Tensor, b: torch.Tensor,
+                             batch_info: BatchInfo) -> torch.Tensor:
+    """Expand (no base). ``y: (T, K, R)``, ``expert_ids: (T, K)`` int, ``b: (L, E, out, R)`` -> delta
+    ``(T, K, out)`` fp32::
+
+        delta[t, k] = B_l[e, :, :r] @ y[t, k, :r]     (columns of y beyond r are never read)
+    """
+    yf, bf = _f32(y), _f32(b)
+    out = torch.zeros(*expert_ids.shape, b.shape[2])
+    for t, k, slot, e, r, _ in _pairs_with_delta(expert_ids, batch_info, b.shape[1]):
+        out[t, k] = bf[slot, e, :, :r] @ yf[t, k, :r]
+    return out
+
+
+def reference_experts_lora(x: torch.Tensor, expert_ids: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                           batch_info: BatchInfo) -> torch.Tensor:
+    """``x: (T, K, in)``, ``expert_ids: (T, K)`` int, ``a: (L, E, R, in)``, ``b: (L, E, out, R)``
+    -> delta ``(T, K, out)`` fp32: the shrink, then the expand."""
+    return reference_experts_lora_b(reference_experts_lora_a(x, expert_ids, a, batch_info), expert_ids, b,
+                                     batch_info)
 
 
 def reference_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,

@@ -27,17 +27,9 @@ from .graphs import is_capturing
 from .layout import slice_offsets_from_widths
 
 __all__ = [
-    "tracing_for_compile",
-    "check_lora_a_inputs",
-    "check_lora_b_inputs",
-    "check_embedding_inputs",
-    "check_added_token_inputs",
-    "check_num_tokens",
-    "normalize_slice_offsets",
-    "check_token_ids",
-    "check_experts_lora_inputs",
-    "check_dora_scale_inputs",
-    "check_offsets_readable",
+    "tracing_for_compile", "check_num_tokens", "check_token_ids", "normalize_slice_offsets", "check_offsets_readable",
+    "check_lora_a_inputs", "check_lora_b_inputs", "check_embedding_inputs", "check_added_token_inputs",
+    "check_experts_lora_inputs", "check_experts_lora_a_inputs", "check_experts_lora_b_inputs", "check_dora_scale_inputs",
 ]
 
 
@@ -303,43 +295,76 @@ def check_added_token_inputs(
     check_num_tokens(batch_info, ids.shape[0], "ids")
 
 
-def check_experts_lora_inputs(x: torch.Tensor, expert_ids: torch.Tensor, a_weights: torch.Tensor,
-                              b_weights: torch.Tensor, batch_info: BatchInfo,
-                              base_output: torch.Tensor | None) -> None:
-    """``x (T, K, in)``, ``expert_ids (T, K)`` int32/int64, ``a_weights (L, E, R, in)``,
-    ``b_weights (L, E, out, R)``, ``base_output (T, K, out)`` or ``None``: one float dtype,
-    the batch's device, one weight slot per batch slot, ``T`` rows of the batch."""
+def _check_expert_pairs(x: torch.Tensor, expert_ids: torch.Tensor, name: str, weights: torch.Tensor,
+                        batch_info: BatchInfo) -> None:
+    """What every experts op checks first: ``x (T, K, n)`` of a supported float dtype on the batch's
+    device, ``expert_ids (T, K)`` int32/int64 beside it, ``weights`` 4-D of ``x``'s dtype and device."""
     _check_tensor("x", x, 3)
     _check_tensor("expert_ids", expert_ids, 2)
-    _check_tensor("a_weights", a_weights, 4)
-    _check_tensor("b_weights", b_weights, 4)
+    _check_tensor(name, weights, 4)
     check_float_dtype("x", x.dtype)
-    for name, t in (("a_weights", a_weights), ("b_weights", b_weights)):
-        _check_same(name, t, "x", x.dtype, x.device)
+    _check_same(name, weights, "x", x.dtype, x.device)
     if expert_ids.dtype not in _ID_DTYPES:
         raise ValueError(f"expert_ids must be an int32 or int64 tensor, got {expert_ids.dtype}")
     if expert_ids.device != x.device:
         raise ValueError(f"expert_ids is on {expert_ids.device} but x is on {x.device}")
     _check_batch_device(batch_info, x.device, "x")
-    T, K, in_features = x.shape
-    L, E, R, a_in = a_weights.shape
-    if expert_ids.shape != (T, K):
-        raise ValueError(f"expert_ids must have shape ({T}, {K}) for x {_describe(x)}, got {_describe(expert_ids)}")
-    if a_in != in_features:
-        raise ValueError(f"a_weights must have shape (L, E, R, {in_features}) for x {_describe(x)}, "
+    if expert_ids.shape != x.shape[:2]:
+        raise ValueError(f"expert_ids must have shape {tuple(x.shape[:2])} for x {_describe(x)}, "
+                         f"got {_describe(expert_ids)}")
+
+
+def check_experts_lora_a_inputs(x: torch.Tensor, expert_ids: torch.Tensor, a_weights: torch.Tensor,
+                                batch_info: BatchInfo) -> None:
+    """The experts shrink's inputs: ``x (T, K, in)``, ``expert_ids (T, K)`` int32/int64,
+    ``a_weights (L, E, R, in)``; one float dtype, the batch's device, one weight slot per
+    batch slot, ``T`` rows of the batch."""
+    _check_expert_pairs(x, expert_ids, "a_weights", a_weights, batch_info)
+    if a_weights.shape[3] != x.shape[2]:
+        raise ValueError(f"a_weights must have shape (L, E, R, {x.shape[2]}) for x {_describe(x)}, "
                          f"got {_describe(a_weights)}")
+    _check_slots(batch_info, a_weights, "a_weights")
+    _check_ranks(batch_info, a_weights.shape[2])
+    check_num_tokens(batch_info, x.shape[0])
+
+
+def check_experts_lora_b_inputs(x: torch.Tensor, expert_ids: torch.Tensor, b_weights: torch.Tensor,
+                                batch_info: BatchInfo, base_output: torch.Tensor | None) -> None:
+    """The experts expand's inputs: ``x (T, K, R)`` (a shrink's output), ``expert_ids (T, K)``
+    int32/int64, ``b_weights (L, E, out, R)``, ``base_output (T, K, out)`` or ``None``; one float
+    dtype, the batch's device, one weight slot per batch slot, ``T`` rows of the batch."""
+    _check_expert_pairs(x, expert_ids, "b_weights", b_weights, batch_info)
+    if b_weights.shape[3] != x.shape[2]:
+        raise ValueError(f"b_weights must have shape (L, E, out, {x.shape[2]}) for x {_describe(x)} (a shrink's "
+                         f"(T, K, R)), got {_describe(b_weights)}")
+    _check_experts_output(base_output, x, b_weights.shape[2])
+    _check_slots(batch_info, b_weights, "b_weights")
+    _check_ranks(batch_info, b_weights.shape[3])
+    check_num_tokens(batch_info, x.shape[0])
+
+
+def check_experts_lora_inputs(x: torch.Tensor, expert_ids: torch.Tensor, a_weights: torch.Tensor,
+                              b_weights: torch.Tensor, batch_info: BatchInfo,
+                              base_output: torch.Tensor | None) -> None:
+    """The fused experts op's inputs: the shrink's (:func:`check_experts_lora_a_inputs`), and
+    ``b_weights (L, E, out, R)`` of ``a_weights``' ``L``, ``E`` and ``R``, ``base_output (T, K, out)``
+    or ``None``, of ``x``'s dtype and device."""
+    check_experts_lora_a_inputs(x, expert_ids, a_weights, batch_info)
+    _check_tensor("b_weights", b_weights, 4)
+    _check_same("b_weights", b_weights, "x", x.dtype, x.device)
+    L, E, R, _ = a_weights.shape
     if b_weights.shape[:2] != (L, E) or b_weights.shape[3] != R:
         raise ValueError(f"b_weights must have shape ({L}, {E}, out, {R}) for a_weights {_describe(a_weights)}, "
                          f"got {_describe(b_weights)}")
-    _check_slots(batch_info, a_weights, "a_weights")
+    _check_experts_output(base_output, x, b_weights.shape[2])
+
+
+def _check_experts_output(base_output: torch.Tensor | None, x: torch.Tensor, out_features: int) -> None:
     if base_output is not None:
         _check_tensor("base_output", base_output, 3)
         _check_same("base_output", base_output, "x", x.dtype, x.device)
-        if base_output.shape != (T, K, b_weights.shape[2]):
-            raise ValueError(f"base_output must have shape ({T}, {K}, {b_weights.shape[2]}), "
-                             f"got {_describe(base_output)}")
-    _check_ranks(batch_info, R)
-    check_num_tokens(batch_info, T)
+        if base_output.shape != (*x.shape[:2], out_features):
+            raise ValueError(f"base_output must have shape {(*x.shape[:2], out_features)}, got {_describe(base_output)}")
 
 
 def check_dora_scale_inputs(output: torch.Tensor, factors: torch.Tensor, batch_info: BatchInfo,

@@ -8,7 +8,7 @@ from .control_ops import (
     sgemm_lora_b_control_fwd,
 )
 from .control_plan import ControlPlan, SlotBlocks, TokenGroup
-from .expert_ops import experts_lora_fwd
+from .expert_ops import experts_lora_a_fwd, experts_lora_b_fwd, experts_lora_fwd
 from .graph_ops import (
     GRAPH_KERNELS,
     graph_kernel,
@@ -29,6 +29,8 @@ __all__ = [
     "TokenGroup",
     "TorchNativeBackend",
     "experts_lora_fwd",
+    "experts_lora_a_fwd",
+    "experts_lora_b_fwd",
     "graph_kernel",
     "graph_plan_types",
     "sgemm_lora_a_control_fwd",

@@ -10,7 +10,7 @@ from lora_core import BatchInfo, BatchInfoBackend, BatchPlan
 
 from .control_plan import ControlPlan
 from .dora_ops import dora_scale_fwd
-from .expert_ops import experts_lora_fwd
+from .expert_ops import experts_lora_a_fwd, experts_lora_b_fwd, experts_lora_fwd
 from .graph_ops import check_graph_kernel, graph_plan_types
 from .ops import sgemm_lora_a_embedding_fwd, sgemm_lora_a_fwd, sgemm_lora_b_fwd
 
@@ -56,3 +56,9 @@ class TorchNativeBackend(BatchInfoBackend):
     def experts_lora(self, x, expert_ids, a_weights, b_weights, batch_info, base_output) -> torch.Tensor:
         return experts_lora_fwd(x, expert_ids, a_weights, b_weights, batch_info, base_output,
                                 graph_kernel=self.graph_kernel)
+
+    def experts_shrink(self, x, expert_ids, a_weights, batch_info) -> torch.Tensor:
+        return experts_lora_a_fwd(x, expert_ids, a_weights, batch_info, graph_kernel=self.graph_kernel)
+
+    def experts_expand(self, x, expert_ids, b_weights, batch_info, base_output) -> torch.Tensor:
+        return experts_lora_b_fwd(x, expert_ids, b_weights, batch_info, base_output, graph_kernel=self.graph_kernel)

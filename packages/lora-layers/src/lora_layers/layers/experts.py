@@ -108,8 +108,9 @@ class ExpertsWithLoRA(nn.Module):
         self.num_experts, self.hidden_size, self.intermediate_size = E, hidden, two_i // 2
         common = dict(num_slots=context.num_slots, num_experts=E, max_rank=context.max_rank,
                       dtype=context.dtype, device=context.device)
-        self.gate_up = ExpertLoRABuffers(in_features=hidden, out_features=two_i, **common)
-        self.down = ExpertLoRABuffers(in_features=two_i // 2, out_features=hidden, **common)
+        (gate_up_in, gate_up_out), (down_in, down_out) = self._lora_features(hidden, two_i // 2)
+        self.gate_up = ExpertLoRABuffers(in_features=gate_up_in, out_features=gate_up_out, **common)
+        self.down = ExpertLoRABuffers(in_features=down_in, out_features=down_out, **common)
 
     @staticmethod
     def is_experts_module(module: nn.Module) -> bool:
@@ -141,6 +142,12 @@ class ExpertsWithLoRA(nn.Module):
         for index, buffers in enumerate((self.gate_up, self.down)):
             if index in weights:
                 buffers.load(slot, *weights[index])
+
+    def _lora_features(self, hidden: int, intermediate: int) -> tuple[tuple[int, int], tuple[int, int]]:
+        """``(in, out)`` of this process's gate_up and down LoRA buffers, given the base layer's
+        ``hidden`` size and (local) ``intermediate`` size: the parameters' own (``(H, 2I)`` and
+        ``(I, H)``), unless a fully sharded wrapper holds only its shard of ``H``."""
+        return (hidden, 2 * intermediate), (intermediate, hidden)
 
     def _shard(self, index: int, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """This process's part of parameter ``index``'s unsharded ``(A (E, r, in), B (E, out, r))``
