@@ -37,6 +37,18 @@ def _case(seed, dtype, device, top_k, aligned=False):
     return ranks, (a, b), batches, ids, x, base
 
 
+def _refill_with(device, holder, ids, ids_b, batch_b, ranks):
+    """What turns batch A into batch B between the two runs: the router's choices copied in place, and
+    the graph batch refilled in place (a capture replays it) or a new eager batch."""
+    def refill():
+        ids.copy_(ids_b)
+        if device.is_graph:
+            holder["info"].refill(*batch_b)
+        else:
+            holder["info"] = make_batch_info(*batch_b, ranks, device=device.torch_device)
+    return refill
+
+
 def _check_two_batches(device, backend, case, dtype):
     """Run batch A, then batch B in the same buffers (a replay where the device captures), and
     compare both with the reference: other requests and slots, other router choices."""
@@ -48,12 +60,7 @@ def _check_two_batches(device, backend, case, dtype):
         backend.prepare_batch(holder["info"])
         return backend.run_experts_lora(x, ids, a, b, base.clone())
 
-    def refill():
-        ids.copy_(ids_b)
-        if device.is_graph:
-            holder["info"].refill(*batch_b)
-        else:
-            holder["info"] = make_batch_info(*batch_b, ranks, device=device.torch_device)
+    refill = _refill_with(device, holder, ids, ids_b, batch_b, ranks)
 
     out_a, out_b = device.run_two_batches(step, (x, ids, base), refill)
     for out, batch, picked in ((out_a, batch_a, ids_a), (out_b, batch_b, ids_b)):
@@ -88,12 +95,7 @@ def _check_halves_two_batches(device, backend, case, dtype, seed):
         return (shrunk, backend.run_experts_lora_b(shrunk, ids, b, base.clone()),
                 backend.run_experts_lora_b(y_in, ids, b), backend.run_experts_lora(x, ids, a, b, base.clone()))
 
-    def refill():
-        ids.copy_(ids_b)
-        if device.is_graph:
-            holder["info"].refill(*batch_b)
-        else:
-            holder["info"] = make_batch_info(*batch_b, ranks, device=device.torch_device)
+    refill = _refill_with(device, holder, ids, ids_b, batch_b, ranks)
 
     outs = device.run_two_batches(step, (x, ids, y_in, base), refill)
     for (shrunk, halves, expanded, fused), batch, picked in zip(outs, (batch_a, batch_b), (ids_a, ids_b)):
