@@ -17,6 +17,7 @@ import torch
 from .batch_info import BatchInfo, build_batch_info
 from .checks import check_device
 from .plans import BatchPlan
+from .request_scales import apply_request_scales
 from .validation import check_added_token_inputs, normalize_slice_offsets
 
 __all__ = ["LoRABackend", "BatchInfoBackend"]
@@ -32,8 +33,9 @@ class LoRABackend(abc.ABC):
     :meth:`prepare_batch`.
 
     Notation: ``T`` tokens (rows), ``L`` slots, ``R`` max rank, ``c`` slices;
-    ``slot_t``, ``r_t`` and ``s_t`` are token ``t``'s slot, the slot's rank and
-    scaling; ``o_i`` the slice offsets. Weights use the layout of
+    ``slot_t`` and ``r_t`` are token ``t``'s slot and the slot's rank, ``s_t`` its scaling:
+    the slot's times the token's request scale (``BatchInfo.token_scales``); ``o_i`` the
+    slice offsets. Weights use the layout of
     docs/layout.md. Tokens of slot -1 and slots of rank 0 get a zero delta, and
     nothing beyond a slot's rank in A or B is ever read. Every ``run_*`` result
     is in the dtype of its input activations.
@@ -55,11 +57,10 @@ class LoRABackend(abc.ABC):
         graph capture; a graph-mode batch refilled in place needs no new call."""
 
     @abc.abstractmethod
-    def init_graph_batch_info(
-        self, max_tokens: int, lora_ranks: Sequence[int], scalings: Sequence[float]
-    ) -> BatchInfo:
-        """A graph-mode batch info for up to ``max_tokens`` tokens, all on slot -1,
-        whose tensors later batches refill in place."""
+    def init_graph_batch_info(self, max_tokens: int, lora_ranks: Sequence[int], scalings: Sequence[float], *,
+                              with_scales: bool = False) -> BatchInfo:
+        """A graph-mode batch info for up to ``max_tokens`` tokens, all on slot -1, whose tensors
+        later batches refill in place (with request scales when ``with_scales``: build_batch_info)."""
 
     @abc.abstractmethod
     def run_lora_a(self, x: torch.Tensor, weights: torch.Tensor, num_slices: int = 1) -> torch.Tensor:
@@ -331,26 +332,24 @@ class BatchInfoBackend(LoRABackend):
                    bias: torch.Tensor | None) -> torch.Tensor:
         """:meth:`run_dora_scale` for an explicit batch."""
 
-    def init_graph_batch_info(
-        self, max_tokens: int, lora_ranks: Sequence[int], scalings: Sequence[float]
-    ) -> BatchInfo:
-        return build_batch_info(
-            [max_tokens], [None], lora_ranks, scalings, device=self.device, use_graph=True, max_tokens=max_tokens
-        )
+    def init_graph_batch_info(self, max_tokens, lora_ranks, scalings, *, with_scales=False) -> BatchInfo:
+        return build_batch_info([max_tokens], [None], lora_ranks, scalings, device=self.device, use_graph=True,
+                                max_tokens=max_tokens, with_scales=with_scales)
 
     def run_lora_a(self, x: torch.Tensor, weights: torch.Tensor, num_slices: int = 1) -> torch.Tensor:
-        return self.shrink(x, weights, self.batch_info, num_slices)
+        return apply_request_scales(self.shrink(x, weights, self.batch_info, num_slices), self.batch_info)
 
     def run_lora_b(self, x, weights, slice_offsets, base_output=None) -> torch.Tensor:
         return self.expand(x, weights, self.batch_info, slice_offsets, base_output)
 
     def run_lm_head(self, x, a_weights, b_weights, base_output=None, *, pruned: bool) -> torch.Tensor:
         view = self.batch_info.lm_head_view(pruned)
-        shrunk = self.shrink(x, a_weights, view, 1)
+        shrunk = apply_request_scales(self.shrink(x, a_weights, view, 1), view)
         return self.expand(shrunk, b_weights, view, (0, b_weights.shape[1]), base_output)
 
     def run_lora_a_embedding(self, ids, weights, vocab_size, extra_embeddings=None) -> torch.Tensor:
-        return self.embedding_shrink(ids, weights, self.batch_info, vocab_size, extra_embeddings)
+        return apply_request_scales(self.embedding_shrink(ids, weights, self.batch_info, vocab_size,
+                                                               extra_embeddings), self.batch_info)
 
     def run_added_tokens(self, ids, extra_embeddings, vocab_size, base_output, scale=1.0) -> torch.Tensor:
         check_added_token_inputs(ids, extra_embeddings, self.batch_info, vocab_size, base_output)
@@ -364,13 +363,17 @@ class BatchInfoBackend(LoRABackend):
 
     def run_packed(self, x, a_weights, b_weights, slice_offsets, base_output=None) -> torch.Tensor:
         offsets = normalize_slice_offsets(slice_offsets)  # the slice count comes from the call's offsets
-        shrunk = self.shrink(x, a_weights, self.batch_info, len(offsets) - 1)
+        shrunk = apply_request_scales(self.shrink(x, a_weights, self.batch_info, len(offsets) - 1),
+                                           self.batch_info)
         return self.expand(shrunk, b_weights, self.batch_info, offsets, base_output)
 
     def run_dora_scale(self, output, factors, bias=None, *, pruned: bool = False) -> torch.Tensor:
         return self.dora_scale(output, factors, self.batch_info.lm_head_view(pruned), bias)
 
     def run_experts_lora(self, x, expert_ids, a_weights, b_weights, base_output=None) -> torch.Tensor:
+        if self.batch_info.has_request_scales:  # the fused op has no shrink output to scale: its halves
+            return self.run_experts_lora_b(self.run_experts_lora_a(x, expert_ids, a_weights), expert_ids, b_weights,
+                                           base_output)
         return self.experts_lora(x, expert_ids, a_weights, b_weights, self.batch_info, base_output)
 
     @abc.abstractmethod
@@ -379,7 +382,8 @@ class BatchInfoBackend(LoRABackend):
         """:meth:`run_experts_lora` for an explicit batch."""
 
     def run_experts_lora_a(self, x, expert_ids, a_weights) -> torch.Tensor:
-        return self.experts_shrink(x, expert_ids, a_weights, self.batch_info)
+        return apply_request_scales(self.experts_shrink(x, expert_ids, a_weights, self.batch_info),
+                                         self.batch_info)
 
     def run_experts_lora_b(self, x, expert_ids, b_weights, base_output=None) -> torch.Tensor:
         return self.experts_expand(x, expert_ids, b_weights, self.batch_info, base_output)

@@ -7,7 +7,8 @@ segments and publishes, on the device:
 
 * ``seg_lens`` (S,), ``seg_indptr`` (S+1,), ``weight_indices`` (S,) (slot per
   segment, -1 = no adapter) and ``token_slots`` (T,) (-1 = no adapter or
-  padding), all int32;
+  padding), all int32, and ``token_scales`` (T,) float32 (each token's request
+  scale, the multiplier of its adapter's delta: 1 unless the caller gave ``scales``);
 * ``lora_ranks`` (L,) int32 and ``scalings`` (L,) float32, per slot;
 
 with host mirrors (``*_cpu``: CPU tensors of the same values), so that nothing
@@ -65,6 +66,7 @@ def _batch_fields(num_segments: int, num_rows: int) -> dict:
         "seg_indptr": ((num_segments + 1,), torch.int32),
         "weight_indices": ((num_segments,), torch.int32),
         "token_slots": ((num_rows,), torch.int32),
+        "token_scales": ((num_rows,), torch.float32),
     }
 
 
@@ -88,10 +90,15 @@ class BatchInfo:
     Device tensors (on ``device``), with host mirrors ``<name>_cpu``:
         seg_lens (S,) int32, seg_indptr (S+1,) int32, weight_indices (S,) int32
         (slot per segment, -1 = no adapter), token_slots (T,) int32 (-1 = no
-        adapter or padding), lora_ranks (L,) int32, scalings (L,) float32.
+        adapter or padding), token_scales (T,) float32 (request scale per token),
+        lora_ranks (L,) int32, scalings (L,) float32.
+
+    A token's delta is ``token_scales[t] * scalings[slot_t] * B @ A @ x[t]``. The request
+    scales are applied by the backend to each shrink's output
+    (:class:`~lora_core.backend.BatchInfoBackend`) when :attr:`has_request_scales`.
 
     In graph mode ``S`` and ``T`` are the preallocated capacity (``max_tokens``);
-    unused segments have length 0 and slot -1, padding tokens slot -1.
+    unused segments have length 0 and slot -1, padding tokens slot -1 and scale 0.
     Kernel plans: :meth:`plan` (kept in :attr:`plans`, refilled with the batch).
     """
 
@@ -99,12 +106,14 @@ class BatchInfo:
     seg_indptr = _Published("_batch")
     weight_indices = _Published("_batch")
     token_slots = _Published("_batch")
+    token_scales = _Published("_batch")
     lora_ranks = _Published("_adapters")
     scalings = _Published("_adapters")
     seg_lens_cpu = _Published("_batch", host=True)
     seg_indptr_cpu = _Published("_batch", host=True)
     weight_indices_cpu = _Published("_batch", host=True)
     token_slots_cpu = _Published("_batch", host=True)
+    token_scales_cpu = _Published("_batch", host=True)
     lora_ranks_cpu = _Published("_adapters", host=True)
     scalings_cpu = _Published("_adapters", host=True)
 
@@ -118,11 +127,13 @@ class BatchInfo:
         use_graph: bool,
         capacity: int | None,
         max_rank: int | None = None,
+        with_scales: bool = False,
     ) -> None:
         self.device = device
         self.max_rank = max_rank
         self.use_graph = use_graph
         self.capacity = capacity
+        self.with_scales = with_scales
         self.num_slots = len(lora_ranks)
         self.plans = PlanCache()
         self._lm_head: LMHeadRows | None = None
@@ -186,6 +197,19 @@ class BatchInfo:
         return self._slot_ranks_scalings
 
     @property
+    def request_scales(self) -> tuple[float, ...]:
+        """Scale per request, as given to the builder (1.0 each when none was given)."""
+        scales = self._requests.scales
+        return (1.0,) * len(self._requests.lens) if scales is None else tuple(scales.tolist())
+
+    @property
+    def has_request_scales(self) -> bool:
+        """Whether the ops apply :attr:`token_scales`: a batch built ``with_scales`` (a graph batch
+        that replays for any scales, or an eager one that keeps one compiled graph), or a batch with
+        a scale other than 1. Otherwise every scale is 1 and the ops skip the multiply."""
+        return self.with_scales or self._requests.scales is not None
+
+    @property
     def lora_ranks_host(self) -> tuple[int, ...]:
         return self._lora_ranks
 
@@ -212,18 +236,24 @@ class BatchInfo:
         return self.plans.types
 
     # --------------------------------------------------------------- updates
-    def refill(self, seq_lens: Sequence[int], slot_ids: Sequence[int | None]) -> None:
-        """Describe a new batch by rewriting the preallocated tensors in place (graph mode).
+    def refill(self, seq_lens: Sequence[int], slot_ids: Sequence[int | None],
+               scales: Sequence[float] | None = None) -> None:
+        """Describe a new batch by rewriting the preallocated tensors in place (graph mode);
+        ``scales``: one multiplier per request (``None``: 1 each), for a batch built ``with_scales``.
 
-        A rejected batch (bad values, more tokens than ``max_tokens``) changes nothing.
+        A rejected batch (bad values, more tokens than ``max_tokens``, scales for a batch built
+        without them) changes nothing.
         """
         if not self.use_graph:
             raise RuntimeError(
                 "refill() needs a graph-mode BatchInfo (use_graph=True); "
                 "eager batches are cheap to rebuild with build_batch_info()"
             )
-        requests = validate_requests(seq_lens, slot_ids, self.num_slots)
+        requests = validate_requests(seq_lens, slot_ids, self.num_slots, scales)
         check_capacity(requests, self.capacity)
+        if requests.scales is not None and not self.with_scales:
+            raise ValueError("scales: this graph-mode batch was built without request scales, so its captured ops "
+                             "do not apply them; build it with with_scales=True")
         self._publish_batch(requests)
         self._changed(adapters_changed=False)
 
@@ -285,6 +315,8 @@ class BatchInfo:
         host["weight_indices"][S:] = -1
         host["token_slots"][:T] = seg_slots if S == T else np.repeat(seg_slots, seg_lens)
         host["token_slots"][T:] = -1
+        host["token_scales"][:T] = requests.token_scales()
+        host["token_scales"][T:] = 0.0
         self._batch.upload()
         self._requests, self._num_segments = requests, S
         self._segments = (seg_lens, seg_slots, indptr[:S].astype(np.int64))
@@ -321,6 +353,8 @@ def build_batch_info(
     use_graph: bool = False,
     max_tokens: int | None = None,
     max_rank: int | None = None,
+    scales: Sequence[float] | None = None,
+    with_scales: bool = False,
 ) -> BatchInfo:
     """Validate a batch description and build its :class:`BatchInfo`.
 
@@ -333,8 +367,15 @@ def build_batch_info(
         use_graph: preallocate for ``max_tokens`` and allow :meth:`BatchInfo.refill`.
         max_tokens: graph-mode capacity (required with ``use_graph``).
         max_rank: when given, every rank must be <= it (the buffers' ``R``).
+        scales: one multiplier per request (finite, >= 0; ``None``: 1 each), on top of its
+            slot's scaling: the request's delta is ``scales[i] * scalings[slot] * B @ A @ x``,
+            so 0 gives the base model's output. Host data.
+        with_scales: the ops apply request scales even when every scale is 1: required for a graph
+            batch to take scales (its captured ops then replay for any); on an eager batch, it keeps
+            ``torch.compile`` from recompiling when a batch with scales follows one without.
     """
     use_graph = check_bool("use_graph", use_graph)
+    with_scales = check_bool("with_scales", with_scales)
     if max_rank is not None:
         max_rank = check_int("max_rank", max_rank, minimum=0)
     if use_graph:
@@ -344,13 +385,16 @@ def build_batch_info(
         max_tokens = int(max_tokens)
     elif max_tokens is not None:
         raise ValueError(f"max_tokens is only meaningful with use_graph=True, got max_tokens = {max_tokens!r}")
-    ranks, scales = validate_adapters(lora_ranks, scalings, max_rank=max_rank)
-    requests = validate_requests(seq_lens, slot_ids, len(ranks))
+    ranks, slot_scalings = validate_adapters(lora_ranks, scalings, max_rank=max_rank)
+    requests = validate_requests(seq_lens, slot_ids, len(ranks), scales)
     if use_graph:
         check_capacity(requests, max_tokens)
+        if requests.scales is not None and not with_scales:
+            raise ValueError("scales: a graph-mode batch applies request scales only when built with "
+                             "with_scales=True (its captured ops must hold the multiply)")
     device = check_device("device", device)
-    info = BatchInfo(requests, ranks, scales, device=device, use_graph=use_graph, capacity=max_tokens,
-                     max_rank=max_rank)
+    info = BatchInfo(requests, ranks, slot_scalings, device=device, use_graph=use_graph, capacity=max_tokens,
+                     max_rank=max_rank, with_scales=with_scales)
     if use_graph:
         info.lm_head_view(pruned=True)  # preallocated now: never built during a capture
     return info

@@ -1,4 +1,4 @@
-"""A batch description validated at the boundary: tokens and adapter slot per request.
+"""A batch description validated at the boundary: tokens, adapter slot and scale per request.
 
 :func:`validate_requests` and :func:`validate_adapters` check what a caller hands
 to :func:`lora_core.build_batch_info` (and to ``BatchInfo.refill`` /
@@ -20,7 +20,8 @@ import torch
 
 from .checks import FLOAT32_MAX, are_plain_ints, check_finite_float, check_int, is_int, plain_int_array
 
-__all__ = ["MAX_TOKENS", "Requests", "check_capacity", "merge_segments", "validate_adapters", "validate_requests"]
+__all__ = ["MAX_TOKENS", "Requests", "check_capacity", "merge_segments", "validate_adapters", "validate_requests",
+           "validate_scales"]
 
 MAX_TOKENS = 2**31 - 1
 """The most tokens a batch can hold: token and segment offsets are int32 on the device."""
@@ -28,13 +29,16 @@ MAX_TOKENS = 2**31 - 1
 
 class Requests:
     """A validated batch description: tokens and slot per request (host NumPy int64 arrays),
-    with the shortest and longest request (0 for an empty batch)."""
+    with the shortest and longest request (0 for an empty batch), and each request's scale
+    (float32, the multiplier of its adapter's delta), ``None`` when every scale is 1."""
 
-    __slots__ = ("lens", "slots", "num_tokens", "min_len", "max_len", "_lens_tuple", "_slots_tuple")
+    __slots__ = ("lens", "slots", "num_tokens", "min_len", "max_len", "scales", "_lens_tuple", "_slots_tuple")
 
-    def __init__(self, lens: np.ndarray, slots: np.ndarray, num_tokens: int, min_len: int, max_len: int) -> None:
+    def __init__(self, lens: np.ndarray, slots: np.ndarray, num_tokens: int, min_len: int, max_len: int,
+                 scales: np.ndarray | None = None) -> None:
         self.lens, self.slots, self.num_tokens = lens, slots, num_tokens
         self.min_len, self.max_len = min_len, max_len
+        self.scales = scales
         self._lens_tuple: tuple[int, ...] | None = None
         self._slots_tuple: tuple[int, ...] | None = None
 
@@ -55,13 +59,21 @@ class Requests:
         """Every non-empty request has one token (decode): the pruned LM-head rows equal the batch."""
         return self.max_len <= 1
 
+    def token_scales(self) -> np.ndarray:
+        """``(num_tokens,)`` float32: each token's request scale (1 when none was given)."""
+        if self.scales is None:
+            return np.ones(self.num_tokens, dtype=np.float32)
+        return self.scales if self.min_len == self.max_len == 1 else np.repeat(self.scales, self.lens)
+
     def last_tokens(self) -> Requests:
-        """One single-token request per non-empty request: the rows a pruned LM head receives."""
+        """One single-token request per non-empty request, with its scale: the rows a pruned LM head receives."""
         if self.min_len == self.max_len == 1:  # already one token each, none empty
             return self
-        slots = self.slots[self.lens > 0]
+        keep = self.lens > 0
+        slots = self.slots[keep]
         n = int(slots.size)
-        return Requests(np.ones_like(slots), slots, n, min(n, 1), min(n, 1))
+        scales = None if self.scales is None else self.scales[keep]
+        return Requests(np.ones_like(slots), slots, n, min(n, 1), min(n, 1), scales)
 
 
 def merge_segments(requests: Requests) -> tuple[np.ndarray, np.ndarray]:
@@ -79,9 +91,11 @@ def merge_segments(requests: Requests) -> tuple[np.ndarray, np.ndarray]:
     return np.add.reduceat(lens, first), slots[first]
 
 
-def validate_requests(seq_lens: Sequence[int], slot_ids: Sequence[int | None], num_slots: int) -> Requests:
-    """``seq_lens`` (ints >= 0) and ``slot_ids`` (``None``, -1 or a slot in ``[0, num_slots)``),
-    one entry per request, as :class:`Requests`; ``ValueError``/``TypeError`` naming the bad entry."""
+def validate_requests(seq_lens: Sequence[int], slot_ids: Sequence[int | None], num_slots: int,
+                      scales: Sequence[float] | None = None) -> Requests:
+    """``seq_lens`` (ints >= 0), ``slot_ids`` (``None``, -1 or a slot in ``[0, num_slots)``) and
+    ``scales`` (:func:`validate_scales`), one entry per request, as :class:`Requests`;
+    ``ValueError``/``TypeError`` naming the bad entry."""
     lens = _host_values("seq_lens", seq_lens)
     slots = _host_values("slot_ids", slot_ids)
     if len(lens) != len(slots):
@@ -107,7 +121,30 @@ def validate_requests(seq_lens: Sequence[int], slot_ids: Sequence[int | None], n
             if not is_int(s) or not -1 <= s < num_slots:
                 raise ValueError(f"slot_ids[{i}] must be None, -1 or a slot in [0, {num_slots}), got {s!r}")
         slots_array = np.array([int(s) for s in slots], dtype=np.int64)
-    return Requests(lens_array, slots_array, total, min_len, max_len)
+    return Requests(lens_array, slots_array, total, min_len, max_len, validate_scales(scales, len(lens_array)))
+
+
+def validate_scales(scales: Sequence[float] | None, num_requests: int) -> np.ndarray | None:
+    """``scales``: one multiplier per request, each a finite float ``>= 0`` (finite in float32),
+    or ``None`` (every request at scale 1); ``(num_requests,)`` float32, or ``None`` when every
+    scale is 1. ``ValueError`` naming the bad request."""
+    if scales is None:
+        return None
+    values = _host_values("scales", scales)
+    if len(values) != num_requests:
+        raise ValueError(f"scales must have one entry per request; got {len(values)} for {num_requests} requests")
+    array = None
+    if values and set(map(type, values)) <= {float, int}:
+        try:
+            array = np.array(values, dtype=np.float64)
+        except OverflowError:  # an int too large for a float: checked one by one below
+            array = None
+    if array is None or not (np.isfinite(array).all() and (array >= 0).all() and array.max(initial=0) <= FLOAT32_MAX):
+        for i, value in enumerate(values):
+            if check_finite_float(f"scales[{i}] (request {i})", value, float32=True) < 0:
+                raise ValueError(f"scales[{i}] (request {i}) must be >= 0, got {value!r}")
+        array = np.array([float(v) for v in values], dtype=np.float64)
+    return None if (array == 1).all() else array.astype(np.float32)
 
 
 def validate_adapters(

@@ -35,7 +35,7 @@ class LMHeadRows:
     def __init__(self, parent: BatchInfo) -> None:
         view = type(parent)(parent._requests.last_tokens(), parent.lora_ranks_host, parent.scalings_host,
                             device=parent.device, use_graph=parent.use_graph, capacity=parent.capacity,
-                            max_rank=parent.max_rank)
+                            max_rank=parent.max_rank, with_scales=parent.with_scales)
         for plan_type in parent.plan_types:
             view.plan(plan_type)
         self.view = view

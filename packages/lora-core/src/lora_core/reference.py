@@ -2,12 +2,13 @@
 
 Written for clarity, not speed (docs/layout.md, PEFT's math)::
 
-    shrink:  y[t, i*R : i*R + r] = scaling_l * A_l[i*R : i*R + r] @ x[t]
+    shrink:  y[t, i*R : i*R + r] = c_t * scaling_l * A_l[i*R : i*R + r] @ x[t]
     expand:  delta[t, o_i : o_{i+1}] = B_l[o_i : o_{i+1}, :r] @ y[t, i*R : i*R + r]
     layer:   out = base(x) + delta
 
-for each token ``t`` of slot ``l`` with rank ``r``; tokens of slot -1 and slots of
-rank 0 get a zero delta. Embedding: ``y[t, :r] = scaling_l * A_l[:r, id]`` when
+for each token ``t`` of slot ``l`` with rank ``r`` and request scale ``c_t``
+(``BatchInfo.token_scales``); tokens of slot -1 and slots of rank 0 get a zero delta.
+Embedding: ``y[t, :r] = c_t * scaling_l * A_l[:r, id]`` when
 ``0 <= id < V + added``, else zero (the OOV policy: never a clamped neighbour).
 
 Every function takes tensors on any device and returns fp32 CPU tensors.
@@ -55,11 +56,12 @@ def reference_lora_a(x: torch.Tensor, a: torch.Tensor, batch_info: BatchInfo, nu
     xf, af = _f32(x), _f32(a)
     R = a.shape[1] // num_slices
     out = torch.zeros(x.shape[0], a.shape[1])
+    request_scales = batch_info.token_scales_cpu[: x.shape[0]].float()
     for slot, idx in tokens_by_slot(batch_info, x.shape[0]).items():
         r, s = batch_info.lora_ranks_host[slot], batch_info.scalings_host[slot]
         for i in range(num_slices):
             rows = slice(i * R, i * R + r)
-            out[idx, rows] = s * (xf[idx] @ af[slot, rows].T)
+            out[idx, rows] = s * request_scales[idx, None] * (xf[idx] @ af[slot, rows].T)
     return out
 
 
@@ -90,12 +92,13 @@ def reference_lora_a_embedding(
     id_list = ids.detach().cpu().tolist()
     total = vocab_size + num_added_tokens
     out = torch.zeros(len(id_list), a.shape[1])
+    request_scales = batch_info.token_scales_cpu[: len(id_list)].tolist()
     for slot, idx in tokens_by_slot(batch_info, len(id_list)).items():
         r, s = batch_info.lora_ranks_host[slot], batch_info.scalings_host[slot]
         for t in idx.tolist():
             token = id_list[t]
             if 0 <= token < total:
-                out[t, :r] = s * af[slot, :r, token]
+                out[t, :r] = s * request_scales[t] * af[slot, :r, token]
     return out
 
 

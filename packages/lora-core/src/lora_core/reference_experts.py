@@ -30,15 +30,16 @@ def _f32(t: torch.Tensor) -> torch.Tensor:
 
 def _pairs_with_delta(expert_ids: torch.Tensor, batch_info: BatchInfo, num_experts: int):
     """``(t, k, slot, e, r, s)`` of every dispatched pair that gets a delta: a slot ``>= 0`` of rank
-    ``r > 0`` (scaling ``s``) and an expert ``e`` in ``[0, E)``."""
+    ``r > 0`` (``s``: its scaling times the token's request scale) and an expert ``e`` in ``[0, E)``."""
     T, K = expert_ids.shape
     slots = batch_info.token_slots_cpu[:T].tolist()
+    request_scales = batch_info.token_scales_cpu[:T].tolist()
     ids = expert_ids.detach().cpu().tolist()
     for t in range(T):
         slot = slots[t]
         if slot < 0 or batch_info.lora_ranks_host[slot] == 0:
             continue
-        r, s = batch_info.lora_ranks_host[slot], batch_info.scalings_host[slot]
+        r, s = batch_info.lora_ranks_host[slot], batch_info.scalings_host[slot] * request_scales[t]
         for k in range(K):
             if 0 <= ids[t][k] < num_experts:
                 yield t, k, slot, ids[t][k], r, s

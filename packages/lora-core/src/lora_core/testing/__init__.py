@@ -16,6 +16,7 @@ from .cases import (
     random_linear_weights,
     random_ranks,
     random_requests,
+    random_scales,
 )
 from .compiled import COMPILE_BACKEND, CompileCapture, CompiledReplay, compile_capture, fastest_compile_backend
 from .device_type import DeviceProbe, DeviceType
@@ -28,6 +29,7 @@ from .rules import Violation
 __all__ = [
     "BatchPair",
     "random_batch_pair",
+    "random_scales",
     "COMPILE_BACKEND",
     "CaptureError",
     "CompileCapture",

@@ -21,6 +21,7 @@ __all__ = [
     "TOLERANCES",
     "assert_close_to_reference",
     "random_requests",
+    "random_scales",
     "random_ranks",
     "fill_linear_garbage",
     "fill_embedding_garbage",
@@ -170,19 +171,23 @@ def make_batch_info(
     device: torch.device | str,
     use_graph: bool = False,
     scalings: Sequence[float] | None = None,
+    scales: Sequence[float] | None = None,
+    with_scales: bool = False,
 ) -> BatchInfo:
-    """A batch info with distinct per-slot scalings (``0.5 + 0.25 * slot`` by default);
-    in graph mode its capacity is exactly ``sum(seq_lens)``."""
+    """A batch info with distinct per-slot scalings (``0.5 + 0.25 * slot`` by default) and the
+    requests' ``scales``; in graph mode its capacity is exactly ``sum(seq_lens)``."""
     scalings = list(scalings) if scalings is not None else default_scalings(len(lora_ranks))
     total = sum(seq_lens)
     return build_batch_info(
         seq_lens, slot_ids, lora_ranks, scalings, device=device, use_graph=use_graph,
-        max_tokens=total if use_graph else None,
+        max_tokens=total if use_graph else None, scales=scales, with_scales=with_scales,
     )
 
 
 class BatchPair:
-    """Two batches of the same token count on the same adapters, A and B.
+    """Two batches of the same token count on the same adapters, A and B: each
+    ``(seq_lens, slot_ids)``, or ``(seq_lens, slot_ids, scales)`` with request scales (then
+    both are built ``with_scales``, so a capture of A replays B's scales).
 
     :meth:`run` gives ``fn(batch_info, *inputs)`` batch A, then switches to batch B
     the way the device requires (a graph-mode batch info refilled in place on
@@ -206,14 +211,17 @@ class BatchPair:
         self.lora_ranks = list(lora_ranks)
         self.scalings = list(scalings) if scalings is not None else default_scalings(len(lora_ranks))
         self.batch_a, self.batch_b = batch_a, batch_b
+        self.with_scales = len(batch_a) > 2 or len(batch_b) > 2
 
     @property
     def num_tokens(self) -> int:
         return sum(self.batch_a[0])
 
-    def build(self, batch: tuple[Sequence[int], Sequence[int | None]], device: torch.device | str,
-              use_graph: bool = False) -> BatchInfo:
-        return make_batch_info(*batch, self.lora_ranks, device=device, use_graph=use_graph, scalings=self.scalings)
+    def build(self, batch: tuple, device: torch.device | str, use_graph: bool = False) -> BatchInfo:
+        seq_lens, slot_ids, *scales = batch
+        return make_batch_info(seq_lens, slot_ids, self.lora_ranks, device=device, use_graph=use_graph,
+                               scalings=self.scalings, scales=scales[0] if scales else None,
+                               with_scales=self.with_scales)
 
     def reference_infos(self) -> tuple[BatchInfo, BatchInfo]:
         return self.build(self.batch_a, "cpu"), self.build(self.batch_b, "cpu")
@@ -243,10 +251,19 @@ class BatchPair:
         return out_a, out_b
 
 
-def random_batch_pair(rng: random.Random, num_tokens: int, lora_ranks: Sequence[int]) -> BatchPair:
-    """Two different random request mixes over ``num_tokens`` tokens."""
+def random_scales(rng: random.Random, num_requests: int) -> list[float]:
+    """A request scale each: 0 (the base model's output), 1, or a strength in (0, 2]."""
+    return [rng.choice([0.0, 1.0, round(rng.uniform(0.05, 2.0), 3)]) for _ in range(num_requests)]
+
+
+def random_batch_pair(rng: random.Random, num_tokens: int, lora_ranks: Sequence[int], *,
+                      scaled: bool = False) -> BatchPair:
+    """Two different random request mixes over ``num_tokens`` tokens; ``scaled``: with random
+    request scales (:func:`random_scales`)."""
     a = random_requests(rng, num_tokens, len(lora_ranks))
     b = random_requests(rng, num_tokens, len(lora_ranks))
     while b == a and num_tokens > 1:
         b = random_requests(rng, num_tokens, len(lora_ranks))
+    if scaled:
+        a, b = (*a, random_scales(rng, len(a[0]))), (*b, random_scales(rng, len(b[0])))
     return BatchPair(lora_ranks, a, b)

@@ -1,0 +1,212 @@
+"""Request scales (issue #40, part 1): one multiplier per request on top of its slot's scaling, through
+every backend op, against lora_core's reference math on every device parameter, both backends.
+
+Batches mix scales of 0, 1 and strengths in (0, 2], ranks of 0, slots of -1 and garbage beyond each
+rank; graph devices capture batch A and replay batch B (other requests, other scales) and the
+reverse, the compile device runs B on the code compiled for A (no recompile).
+"""
+
+import random
+
+import pytest
+import torch
+
+from lora_core import available_backends, build_batch_info, get_backend
+from lora_core.reference import (
+    reference_lm_head,
+    reference_lora_a,
+    reference_lora_a_embedding,
+    reference_lora_b,
+)
+from lora_core.reference_experts import reference_experts_lora, reference_experts_lora_a
+from lora_core.testing import (
+    BatchPair,
+    assert_close_to_reference,
+    count_launches,
+    random_batch_pair,
+    random_embedding_weights,
+    random_linear_weights,
+    random_ranks,
+)
+from lora_core.testing.expert_cases import random_expert_ids, random_expert_weights
+
+BACKENDS = available_backends()
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _linear_case(seed, dtype, device, num_slices):
+    rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
+    L, R, T = rng.randint(2, 5), rng.choice([4, 8]), rng.randint(6, 40)
+    ranks = random_ranks(rng, L, R)
+    pair = random_batch_pair(rng, T, ranks, scaled=True)
+    widths = [rng.randint(3, 24) for _ in range(num_slices)]
+    a, b, offsets = random_linear_weights(gen, num_slots=L, max_rank=R, in_features=rng.randint(4, 48),
+                                          slice_widths=widths, lora_ranks=ranks, dtype=dtype,
+                                          device=device.torch_device)
+    x = torch.randn(T, a.shape[2], generator=gen).to(device.torch_device, dtype)
+    base = torch.randn(T, offsets[-1], generator=gen).to(device.torch_device, dtype)
+    return pair, a, b, offsets, x, base
+
+
+@pytest.mark.parametrize("backend_name", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("num_slices", [1, 3])
+@pytest.mark.parametrize("seed", range(3))
+def test_packed_projection_and_shrink_apply_each_requests_scale(device, backend_name, dtype, num_slices, seed):
+    pair, a, b, offsets, x, base = _linear_case(seed * 7 + num_slices, dtype, device, num_slices)
+    backend = get_backend(backend_name)(device.torch_device)
+
+    def layer(info, x, base):
+        backend.prepare_batch(info)
+        return backend.run_lora_a(x, a, num_slices), backend.run_packed(x, a, b, offsets, base.clone())
+
+    outs = pair.run(device, layer, x, base)
+    for (shrunk, out), ref in zip(outs, pair.reference_infos()):
+        want_shrunk = reference_lora_a(x, a, ref, num_slices)
+        assert_close_to_reference(shrunk, want_shrunk, dtype)
+        assert_close_to_reference(out, base.float().cpu() + reference_lora_b(want_shrunk, b, ref, offsets), dtype)
+
+
+@pytest.mark.parametrize("backend_name", BACKENDS)
+@pytest.mark.parametrize("pruned", [False, True], ids=["every-token", "last-tokens"])
+@pytest.mark.parametrize("seed", range(2))
+def test_lm_head_applies_each_requests_scale_to_its_rows(device, backend_name, pruned, seed):
+    rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
+    ranks = random_ranks(rng, 3, 8)
+    lens_a, lens_b = [3, 1, 4, 2], [2, 2, 5, 1]  # non-empty requests: the pruned rows are one per request
+    pair = BatchPair(ranks, (lens_a, [0, None, 2, 1], [0.3, 1.0, 0.0, 1.7]), (lens_b, [2, 1, 0, 0], [1.0, 0.5, 2.0, 0.0]))
+    rows = 4 if pruned and not device.is_graph else sum(lens_a)  # a capture takes the capacity's rows
+    a, b, _ = random_linear_weights(gen, num_slots=3, max_rank=8, in_features=16, slice_widths=[24],
+                                    lora_ranks=ranks, dtype=torch.float32, device=device.torch_device)
+    hidden = torch.randn(rows, 16, generator=gen).to(device.torch_device)
+    weight = torch.randn(24, 16, generator=gen).to(device.torch_device)
+    backend = get_backend(backend_name)(device.torch_device)
+
+    def head(info, hidden):
+        backend.prepare_batch(info)
+        return backend.run_lm_head(hidden, a, b, hidden @ weight.T, pruned=pruned)
+
+    real = 4 if pruned else rows  # the pruned rows: one per request, then the capture's padding
+    for out, ref in zip(pair.run(device, head, hidden), pair.reference_infos()):
+        want = reference_lm_head(hidden[:real], weight, a, b, ref, pruned)
+        assert_close_to_reference(out[:real], want, torch.float32)
+
+
+@pytest.mark.parametrize("backend_name", BACKENDS)
+@pytest.mark.parametrize("seed", range(2))
+def test_embedding_shrink_applies_each_requests_scale(device, backend_name, seed):
+    rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
+    ranks = random_ranks(rng, 4, 8)
+    V, T = 50, 24
+    pair = random_batch_pair(rng, T, ranks, scaled=True)
+    a, _ = random_embedding_weights(gen, num_slots=4, max_rank=8, vocab_total=V, embedding_dim=12,
+                                    lora_ranks=ranks, dtype=torch.float32, device=device.torch_device)
+    ids = torch.randint(-2, V + 2, (T,), generator=gen).to(device.torch_device)  # out-of-vocab ids too
+    backend = get_backend(backend_name)(device.torch_device)
+
+    def shrink(info, ids):
+        backend.prepare_batch(info)
+        return backend.run_lora_a_embedding(ids, a, V)
+
+    for out, ref in zip(pair.run(device, shrink, ids), pair.reference_infos()):
+        assert_close_to_reference(out, reference_lora_a_embedding(ids, a, ref, V), torch.float32)
+
+
+@pytest.mark.parametrize("backend_name", BACKENDS)
+@pytest.mark.parametrize("top_k", [1, 2])
+@pytest.mark.parametrize("seed", range(2))
+def test_experts_apply_each_requests_scale(device, backend_name, top_k, seed):
+    rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
+    L, E, R, T, H, out_features = 3, 4, 8, 18, 12, 10
+    ranks = random_ranks(rng, L, R)
+    pair = random_batch_pair(rng, T, ranks, scaled=True)
+    a, b = random_expert_weights(gen, num_slots=L, num_experts=E, max_rank=R, in_features=H,
+                                 out_features=out_features, lora_ranks=ranks, dtype=torch.float32,
+                                 device=device.torch_device)
+    ids = random_expert_ids(rng, gen, T, top_k, E).to(device.torch_device)
+    x = torch.randn(T, top_k, H, generator=gen).to(device.torch_device)
+    base = torch.randn(T, top_k, out_features, generator=gen).to(device.torch_device)
+    backend = get_backend(backend_name)(device.torch_device)
+
+    def experts(info, x, base):
+        backend.prepare_batch(info)
+        return backend.run_experts_lora_a(x, ids, a), backend.run_experts_lora(x, ids, a, b, base.clone())
+
+    for (shrunk, out), ref in zip(pair.run(device, experts, x, base), pair.reference_infos()):
+        assert_close_to_reference(shrunk, reference_experts_lora_a(x, ids, a, ref), torch.float32)
+        assert_close_to_reference(out, base.float().cpu() + reference_experts_lora(x, ids, a, b, ref), torch.float32)
+
+
+@pytest.mark.parametrize("backend_name", BACKENDS)
+def test_a_scale_of_zero_gives_exactly_the_base_output(device, backend_name):
+    """A request at scale 0 gets its base rows back bit for bit, beside requests with a delta."""
+    gen = torch.Generator().manual_seed(0)
+    ranks = [4, 8]
+    pair = BatchPair(ranks, ([3, 2, 4], [0, 1, 1], [0.0, 1.0, 0.0]), ([4, 3, 2], [1, 0, 1], [0.5, 0.0, 0.0]))
+    a, b, offsets = random_linear_weights(gen, num_slots=2, max_rank=8, in_features=16, slice_widths=[12, 8],
+                                          lora_ranks=ranks, dtype=torch.float32, device=device.torch_device)
+    x = torch.randn(9, 16, generator=gen).to(device.torch_device)
+    base = torch.randn(9, 20, generator=gen).to(device.torch_device)
+    backend = get_backend(backend_name)(device.torch_device)
+
+    def layer(info, x, base):
+        backend.prepare_batch(info)
+        return backend.run_packed(x, a, b, offsets, base.clone())
+
+    out_a, out_b = pair.run(device, layer, x, base)
+    base = base.cpu()
+    assert torch.equal(out_a.cpu()[:3], base[:3]) and torch.equal(out_a.cpu()[5:], base[5:])
+    assert not torch.equal(out_a.cpu()[3:5], base[3:5])
+    assert torch.equal(out_b.cpu()[4:], base[4:]) and not torch.equal(out_b.cpu()[:4], base[:4])
+
+
+@pytest.mark.parametrize("backend_name", BACKENDS)
+def test_a_batch_without_scales_launches_what_it_did_before(backend_name):
+    """Every scale 1 (or none given): no multiply is launched; request scales cost one elementwise
+    product of the shrink's ``T x c*R`` output per op, and no matrix product grows."""
+    gen = torch.Generator().manual_seed(0)
+    ranks = [4, 8, 0]
+    a, b, offsets = random_linear_weights(gen, num_slots=3, max_rank=8, in_features=16, slice_widths=[12, 8],
+                                          lora_ranks=ranks, dtype=torch.float32, device="cpu")
+    x, base = torch.randn(9, 16, generator=gen), torch.randn(9, 20, generator=gen)
+    backend = get_backend(backend_name)("cpu")
+
+    def launches(**batch):
+        backend.prepare_batch(build_batch_info([3, 2, 4], [0, 1, None], ranks, [2.0, 0.5, 1.0], device="cpu",
+                                               **batch))
+        return count_launches(lambda: backend.run_packed(x, a, b, offsets, base.clone()))
+
+    plain, ones = launches(), launches(scales=[1.0, 1, 1.0])
+    scaled, forced = launches(scales=[0.5, 1.0, 0.0]), launches(with_scales=True)
+    assert ones.ops == plain.ops and ones.by_op == plain.by_op
+    assert scaled.ops == forced.ops == plain.ops + 1
+    assert scaled.matmul_macs == plain.matmul_macs and scaled.host_reads == plain.host_reads
+
+
+@pytest.mark.parametrize("scales, message", [
+    ([1.0, -0.5], r"scales\[1\] \(request 1\) must be >= 0, got -0.5"),
+    ([float("nan"), 1.0], r"scales\[0\] \(request 0\) must be a finite float, got nan"),
+    ([1.0, float("inf")], r"scales\[1\] \(request 1\) must be a finite float, got inf"),
+    ([1.0, 1e39], r"scales\[1\] \(request 1\) must be finite in float32"),
+    ([1.0, "0.5"], r"scales\[1\] \(request 1\) must be a finite float, got '0.5'"),
+    ([1.0], r"scales must have one entry per request; got 1 for 2 requests"),
+])
+def test_bad_scales_are_refused_naming_the_request(scales, message):
+    with pytest.raises(ValueError, match=f"^{message}"):
+        build_batch_info([2, 3], [0, None], [4], [1.0], device="cpu", scales=scales)
+
+
+def test_a_graph_batch_takes_scales_only_when_built_with_them():
+    graph = build_batch_info([4], [0], [4], [1.0], device="cpu", use_graph=True, max_tokens=8)
+    graph.refill([2, 2], [0, None], scales=[1.0, 1.0])  # all 1: nothing to apply
+    with pytest.raises(ValueError, match=r"^scales: this graph-mode batch was built without request scales.*"
+                                         r"build it with with_scales=True$"):
+        graph.refill([2, 2], [0, None], scales=[0.5, 1.0])
+    assert graph.request_scales == (1.0, 1.0)  # the rejected refill changed nothing
+    with pytest.raises(ValueError, match=r"^scales: a graph-mode batch applies request scales only when built "
+                                         r"with with_scales=True"):
+        build_batch_info([4], [0], [4], [1.0], device="cpu", use_graph=True, max_tokens=8, scales=[0.5])
+    scaled = build_batch_info([4], [0], [4], [1.0], device="cpu", use_graph=True, max_tokens=8, with_scales=True)
+    scaled.refill([3, 1], [0, 0], scales=[0.25, 2.0])
+    assert scaled.token_scales_cpu.tolist() == [0.25] * 3 + [2.0] + [0.0] * 4
+    assert scaled.lm_head_view(pruned=True).token_scales_cpu[:2].tolist() == [0.25, 2.0]
