@@ -45,20 +45,22 @@ class BatchCache:
         """Forget every batch (the slots' ranks or scalings changed)."""
         self._batches.clear()
 
-    def get(self, seq_lens: Sequence[int], slot_ids: Sequence[int | None], slots: AdapterSlots) -> BatchInfo:
+    def get(self, seq_lens: Sequence[int], slot_ids: Sequence[int | None], slots: AdapterSlots,
+            scales: Sequence[float] | None = None) -> BatchInfo:
         """The batch info of requests of ``seq_lens`` tokens in slots ``slot_ids`` (``None``:
-        no adapter), with ``slots``' ranks and scalings: the cached one for a layout
-        seen since the last :meth:`clear`, else a new one (cached when every length
+        no adapter) at request ``scales`` (``None``: none given; given, even all 1, the ops
+        apply them: ``with_scales``), with ``slots``' ranks and scalings: the cached one for a
+        layout seen since the last :meth:`clear`, else a new one (cached when every length
         is a plain ``int``; a ``2.0`` would compare equal to ``2`` and is validated
         by ``build_batch_info`` instead)."""
         lens = tuple(seq_lens)
-        key = (lens, tuple(slot_ids)) if are_plain_ints(lens) else None
+        key = (lens, tuple(slot_ids), scales if scales is None else tuple(scales)) if are_plain_ints(lens) else None
         info = self._batches.get(key) if key is not None else None
         if info is not None:
             self._batches.move_to_end(key)
             return info
-        info = build_batch_info(seq_lens, slot_ids, slots.lora_ranks, slots.scalings,
-                                device=self.device, max_rank=slots.max_rank)
+        info = build_batch_info(seq_lens, slot_ids, slots.lora_ranks, slots.scalings, device=self.device,
+                                max_rank=slots.max_rank, scales=scales, with_scales=scales is not None)
         if key is not None:
             self._batches[key] = info
             if len(self._batches) > self.size:

@@ -23,19 +23,22 @@ class GraphMode:
         self.backend = backend
         self.enabled = False
 
-    def enable(self, max_tokens: int, slots: AdapterSlots) -> BatchInfo:
-        """Preallocate a batch of ``max_tokens`` rows with ``slots``' ranks and scalings,
-        hand it to the backend, and switch to refilling it; returns it."""
-        info = self.backend.init_graph_batch_info(max_tokens, slots.lora_ranks, slots.scalings)
+    def enable(self, max_tokens: int, slots: AdapterSlots, *, scales: bool = False) -> BatchInfo:
+        """Preallocate a batch of ``max_tokens`` rows with ``slots``' ranks and scalings (that
+        takes request scales when ``scales``), hand it to the backend, and switch to refilling it;
+        returns it."""
+        options = {"with_scales": True} if scales else {}  # a backend of its own may not know the option
+        info = self.backend.init_graph_batch_info(max_tokens, slots.lora_ranks, slots.scalings, **options)
         self.backend.prepare_batch(info)
         self.enabled = True
         return info
 
-    def refill(self, seq_lens: Sequence[int], slot_ids: Sequence[int | None]) -> BatchInfo:
-        """Write requests of ``seq_lens`` tokens in slots ``slot_ids`` (``None``: no adapter)
-        into the preallocated batch, in place; returns it."""
+    def refill(self, seq_lens: Sequence[int], slot_ids: Sequence[int | None],
+               scales: Sequence[float] | None = None) -> BatchInfo:
+        """Write requests of ``seq_lens`` tokens in slots ``slot_ids`` (``None``: no adapter) at
+        request ``scales`` into the preallocated batch, in place; returns it."""
         info = self.backend.batch_info
-        info.refill(seq_lens, slot_ids)  # in place: the backend's plans are refilled with it
+        info.refill(seq_lens, slot_ids, scales)  # in place: the backend's plans are refilled with it
         return info
 
     def update_adapters(self, slots: AdapterSlots) -> None:

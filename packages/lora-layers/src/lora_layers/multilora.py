@@ -300,9 +300,14 @@ class MultiLoRA:
         self._graph.update_adapters(self.slots)
 
     # ------------------------------------------------------------------ batches
-    def set_batch(self, seq_lens: Sequence[int], adapters: Sequence[str | None]) -> BatchInfo:
-        """Describe the next forward pass: tokens per request and each request's adapter
-        (``None`` = base model). In graph mode the preallocated batch is refilled in place.
+    def set_batch(self, seq_lens: Sequence[int], adapters: Sequence[str | None],
+                  scales: Sequence[float] | None = None) -> BatchInfo:
+        """Describe the next forward pass: tokens per request, each request's adapter
+        (``None`` = base model) and, optionally, each request's scale: a multiplier (finite,
+        ``>= 0``) of its adapter's delta in every LoRA module its tokens pass through, on top
+        of the adapter's own scaling (0: the base model's output; docs/request-scales.md).
+        In graph mode the preallocated batch is refilled in place (scales need
+        ``enable_graph(..., scales=True)``).
 
         For a flattened ragged batch; a ``(B, S)`` input of B requests is routed per
         call by :meth:`route`. Eager batches are kept (a few, most recent first), so a
@@ -310,18 +315,21 @@ class MultiLoRA:
         if len(seq_lens) != len(adapters):
             raise ValueError(f"seq_lens and adapters must have one entry per request; got {len(seq_lens)} and {len(adapters)}")
         slot_ids = [None if a is None else self._slot_table.slot_of(a) for a in adapters]
+        if scales is not None:
+            self._slot_table.check_scales(adapters, scales)
         self._slot_table.touch(adapters)
         if self._graph.enabled:
-            return self._graph.refill(seq_lens, slot_ids)
-        info = self._batches.get(seq_lens, slot_ids, self.slots)
+            return self._graph.refill(seq_lens, slot_ids, scales)
+        info = self._batches.get(seq_lens, slot_ids, self.slots, scales)
         self.backend.prepare_batch(info)
         return info
 
     # ------------------------------------------------------------------ routing
     @contextmanager
-    def route(self, adapters: Sequence[str | None]) -> Iterator[MultiLoRA]:
+    def route(self, adapters: Sequence[str | None], scales: Sequence[float] | None = None) -> Iterator[MultiLoRA]:
         """Route the rows of every model call inside the block: row ``i`` of a ``(B, S)``
-        input uses ``adapters[i]`` (``None`` or ``"__base__"``: the base model).
+        input uses ``adapters[i]`` (``None`` or ``"__base__"``: the base model), at
+        ``scales[i]`` when given (as :meth:`set_batch`).
 
         Each call of ``model`` (its forward pre-hook) describes its own batch from its
         input (``input_ids``, the first positional argument, or ``inputs_embeds``; a
@@ -336,18 +344,21 @@ class MultiLoRA:
             with mlora.route(["sql", None, "chat"]):
                 out = model.generate(input_ids, attention_mask=mask, max_new_tokens=8)
         """
-        with self._router.routing(adapters):
+        with self._router.routing(adapters, scales):
             yield self
 
-    def generate(self, *args: Any, adapter_names: Sequence[str | None], **kwargs: Any) -> Any:
+    def generate(self, *args: Any, adapter_names: Sequence[str | None], scales: Sequence[float] | None = None,
+                 **kwargs: Any) -> Any:
         """``model.generate(*args, **kwargs)`` with one adapter per input row (PEFT's
-        ``generate(..., adapter_names=[...])``); the same as inside :meth:`route`."""
-        with self.route(adapter_names):
+        ``generate(..., adapter_names=[...])``), at ``scales`` when given; the same as inside :meth:`route`."""
+        with self.route(adapter_names, scales):
             return self.model.generate(*args, **kwargs)
 
     # --------------------------------------------------------------- graph mode
-    def enable_graph(self, max_tokens: int) -> BatchInfo:
+    def enable_graph(self, max_tokens: int, *, scales: bool = False) -> BatchInfo:
         """Preallocate a graph-mode batch of ``max_tokens`` rows; afterwards ``set_batch``
         refills it in place so a captured forward replays with new batches. The model
-        is then called with exactly ``max_tokens`` rows (padding rows use no adapter)."""
-        return self._graph.enable(max_tokens, self.slots)
+        is then called with exactly ``max_tokens`` rows (padding rows use no adapter).
+        ``scales``: batches may give request scales, and a captured forward applies them
+        for any scales (one elementwise product per LoRA module more than without)."""
+        return self._graph.enable(max_tokens, self.slots, scales=scales)

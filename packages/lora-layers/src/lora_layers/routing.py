@@ -50,12 +50,13 @@ class Router:
     Args:
         model: the model whose calls are routed (the hook is registered here).
         check_adapter: raises ``ValueError`` for a name that is not loaded.
-        set_batch: ``set_batch(seq_lens, adapters)``, which makes a call's batch current.
+        set_batch: ``set_batch(seq_lens, adapters, scales)``, which makes a call's batch current.
     """
 
     def __init__(self, model: nn.Module, check_adapter: Callable[[str], Any],
-                 set_batch: Callable[[list[int], list[str | None]], Any]) -> None:
+                 set_batch: Callable[[list[int], list[str | None], list[float] | None], Any]) -> None:
         self.active: list[str | None] | None = None
+        self.active_scales: list[float] | None = None
         self._check_adapter = check_adapter
         self._set_batch = set_batch
         self._hook = model.register_forward_pre_hook(self.pre_forward, with_kwargs=True)
@@ -78,21 +79,29 @@ class Router:
         return names
 
     @contextmanager
-    def routing(self, adapters: Sequence[str | None]) -> Iterator[list[str | None]]:
-        """Make ``adapters`` the active route inside the block (routes nest); yields it checked."""
+    def routing(self, adapters: Sequence[str | None],
+                scales: Sequence[float] | None = None) -> Iterator[list[str | None]]:
+        """Make ``adapters`` (at ``scales``, one per row, when given) the active route inside the
+        block (routes nest); yields it checked."""
         names = self.check(adapters)
-        previous, self.active = self.active, names
+        if scales is not None:
+            if isinstance(scales, str) or not isinstance(scales, Sequence) or len(scales) != len(names):
+                raise ValueError(f"scales must be a list with one scale per row of the route ({len(names)}), "
+                                 f"got {scales!r}")
+            scales = list(scales)
+        previous = self.active, self.active_scales
+        self.active, self.active_scales = names, scales
         try:
             yield names
         finally:
-            self.active = previous
+            self.active, self.active_scales = previous
 
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         """The forward pre-hook: a PEFT-style ``adapter_names=`` argument (taken out of
         ``kwargs``), or the active route, becomes this call's batch."""
-        route = self.active
+        route, scales = self.active, self.active_scales
         if "adapter_names" in kwargs:
-            route = self.check(kwargs.pop("adapter_names"))
+            route, scales = self.check(kwargs.pop("adapter_names")), None
         elif route is None:
             return None
         rows, length = call_layout(args, kwargs)
@@ -101,5 +110,7 @@ class Router:
                              "give one adapter per row (or per request of num_beams / num_return_sequences rows)")
         k = rows // len(route)
         adapters = route if k == 1 else [a for a in route for _ in range(k)]
-        self._set_batch([length] * rows, adapters)
+        if scales is not None and k > 1:
+            scales = [c for c in scales for _ in range(k)]
+        self._set_batch([length] * rows, adapters, scales)
         return args, kwargs
