@@ -48,6 +48,8 @@ RUN_BLOCKS = {
     ("docs/compile.md", "import torch"): "test_the_counting_backend_of_compile_md_counts",
     ("docs/graph-simulator.md", "from lora_core.testing import GraphSimulator, CaptureError"):
         "test_the_graph_simulator_sketch_runs",
+    ("docs/request-scales.md", 'mlora.set_batch([5, 3, 4], ["style", "style", None], scales=[0.3, 1.0, 1.0])'):
+        "tests/test_request_scales.py::test_the_example_of_request_scales_md_runs",
 }
 """Every ```python block of README.md and docs/*.md, by its file and first line, and the test that runs it."""
 

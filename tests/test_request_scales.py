@@ -6,7 +6,13 @@ rank; graph devices capture batch A and replay batch B (other requests, other sc
 reverse, the compile device runs B on the code compiled for A (no recompile).
 """
 
+import copy
+import importlib.util
+import json
 import random
+import re
+import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -31,6 +37,7 @@ from lora_core.testing import (
 from lora_core.testing.expert_cases import random_expert_ids, random_expert_weights
 
 BACKENDS = available_backends()
+ROOT = Path(__file__).resolve().parents[1]
 DTYPES = [torch.float32, torch.bfloat16]
 
 
@@ -210,3 +217,41 @@ def test_a_graph_batch_takes_scales_only_when_built_with_them():
     scaled.refill([3, 1], [0, 0], scales=[0.25, 2.0])
     assert scaled.token_scales_cpu.tolist() == [0.25] * 3 + [2.0] + [0.0] * 4
     assert scaled.lm_head_view(pruned=True).token_scales_cpu[:2].tolist() == [0.25, 2.0]
+
+
+def test_the_request_scales_benchmark_checks_then_times_every_variant(capsys, tmp_path):
+    """examples/bench_request_scales.py in smoke sizes: its checks pass (no scales equals the code
+    before scales bit for bit; scale 0 equals the base row) and it reports every variant's ratio."""
+    path = ROOT / "examples" / "bench_request_scales.py"
+    spec = importlib.util.spec_from_file_location("example_bench_request_scales", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--smoke", "--json", str(tmp_path / "r.json")]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^decode \(8 x 1 tokens\), time / before: no scales \d\.\d{3} \(", out, re.M), out
+    results = json.loads((tmp_path / "r.json").read_text())["results"]
+    assert set(results) == {"decode", "prefill"}
+    assert all(len(figure["samples"]) == 3 for phase in results.values() for figure in phase.values())
+
+
+def test_the_example_of_request_scales_md_runs(tmp_path):
+    """docs/request-scales.md's block, on a tiny Llama with two PEFT adapters named as there."""
+    transformers = pytest.importorskip("transformers", reason="needs transformers (tests/requirements.txt)")
+    peft = pytest.importorskip("peft", reason="needs peft (tests/requirements.txt)")
+    from lora_layers import MultiLoRA
+
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=64, pad_token_id=0)).eval()
+    for name in ("style", "math"):
+        peft.get_peft_model(copy.deepcopy(model), peft.LoraConfig(
+            r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)).save_pretrained(str(tmp_path / name))
+    mlora = MultiLoRA.from_adapters(model, {"style": tmp_path / "style", "math": tmp_path / "math"})
+    block = [b for b in re.findall(r"```python\n(.*?)```", (ROOT / "docs" / "request-scales.md").read_text(), re.S)]
+    (code,) = block
+    namespace = {"model": model, "mlora": mlora, "input_ids": torch.randint(3, 64, (3, 4)), "torch": torch}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        exec(compile(code, "docs/request-scales.md", "exec"), namespace)
+    assert namespace["out"].shape == (3, 12)

@@ -1,0 +1,157 @@
+"""What request scales cost (issue #40): a decode step and a prefill with and without them, side by side.
+
+lora-layers' ``TinyDecoder`` (Llama-shaped: hidden 256, 4 layers, every linear module wrapped)
+serves four PEFT adapters of ranks 8, 16, 24 and 32, eagerly, on a decode batch of 32 one-token
+requests and a prefill of 8 requests of 32 tokens (every fifth request on the base model). Each
+round runs every variant once, the order rotating (``lora_core.testing.timing``):
+
+* ``before``: the batch without scales, with the scale step taken out of the backend's ops
+  (``apply_request_scales`` replaced by the identity for that call): the code as it was before
+  request scales, for a batch every figure below is compared with;
+* ``no scales``: the same batch, no scales given (what every caller that does not use them runs);
+* ``scales, all 1``: scales given, every one 1.0 (the ops apply them: one elementwise product of
+  each shrink's ``T x c*R`` output);
+* ``scales``: scales 0.3, 1.0, 1.7 and 0 over the requests.
+
+Figures are each variant's time over ``before``'s in the same round, as the median over rounds
+with its min-max spread. The outputs are checked first: ``no scales`` equals ``before`` bit for
+bit, and a request at scale 0 equals the base model's row of the same batch.
+
+    python examples/bench_request_scales.py              # 9 rounds
+    python examples/bench_request_scales.py --smoke      # tiny sizes: a check that it runs
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+from unittest import mock
+
+import torch
+
+import lora_core.backend
+from lora_core import save_peft_adapter
+from lora_core.testing.timing import Interleaved, Spread, apply_threads, benchmark_parser, format_spread, machine_info
+from lora_layers import MultiLoRA, TinyConfig, TinyDecoder
+
+SIZES = {
+    "default": dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=4),
+    "smoke": dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2),
+}
+RANKS = (8, 16, 24, 32)
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+SHAPES = {"default": {"decode": (32, 1), "prefill": (8, 32)}, "smoke": {"decode": (8, 1), "prefill": (3, 5)}}
+VARIANTS = ("before", "no scales", "scales, all 1", "scales")
+
+
+def build(sizes: dict, tmp: Path) -> tuple[TinyDecoder, MultiLoRA]:
+    """The wrapped model with its four adapters loaded."""
+    torch.manual_seed(0)
+    model = TinyDecoder(TinyConfig(**sizes)).eval()
+    linears = {n: m for n, m in model.named_modules() if n.rsplit(".", 1)[-1] in TARGETS}
+    mlora = MultiLoRA(model, TARGETS, max_loras=len(RANKS), max_rank=max(RANKS))
+    for i, r in enumerate(RANKS):
+        weights = {n: (torch.randn(r, m.in_features) / 8, torch.randn(m.out_features, r) / 8)
+                   for n, m in linears.items()}
+        mlora.load_adapter(f"a{i}", save_peft_adapter(tmp / f"a{i}", weights, r=r, lora_alpha=2 * r))
+    return model, mlora
+
+
+@contextmanager
+def _without_scale_step():
+    """The backend's ops as they were before request scales: no scale step at all."""
+    with mock.patch.object(lora_core.backend, "apply_request_scales", lambda shrunk, batch_info: shrunk):
+        yield
+
+
+class Calls(dict):
+    """The variants' calls by name, with the input ids they run on."""
+
+    def __init__(self, calls: dict, *, ids: torch.Tensor) -> None:
+        super().__init__(calls)
+        self.ids = ids
+
+
+def step_calls(model: TinyDecoder, mlora: MultiLoRA, requests: int, length: int) -> tuple:
+    """``(calls, seq_lens, adapters, scales)``: one forward of ``requests`` x ``length`` tokens per
+    variant (the batch set inside the call, as a server sets it each step; eager batches are cached
+    by layout and scales), and the batch the ``scales`` variant runs."""
+    lens = [length] * requests
+    adapters = [None if i % 5 == 0 else f"a{i % len(RANKS)}" for i in range(requests)]
+    mixed = [(0.3, 1.0, 1.7, 0.0)[i % 4] for i in range(requests)]
+    ids = torch.randint(0, model.config.vocab_size, (requests * length,), generator=torch.Generator().manual_seed(1))
+
+    def run(scales=None, before=False):
+        def call():
+            with torch.no_grad():
+                if before:
+                    with _without_scale_step():
+                        mlora.set_batch(lens, adapters)
+                        return model(ids)
+                mlora.set_batch(lens, adapters, scales)
+                return model(ids)
+        return call
+
+    calls = Calls({"before": run(before=True), "no scales": run(), "scales, all 1": run([1.0] * requests),
+                   "scales": run(mixed)}, ids=ids)
+    return calls, lens, adapters, mixed
+
+
+
+def check(model, mlora, calls, lens, adapters, mixed) -> None:
+    """``no scales`` equals ``before`` bit for bit; a request at scale 0 equals its row routed to the
+    base model in the same batch, bit for bit."""
+    if not torch.equal(calls["before"](), calls["no scales"]()):
+        raise SystemExit("bench_request_scales: the batch without scales changed its output")
+    scaled = calls["scales"]()
+    with torch.no_grad():
+        mlora.set_batch(lens, [None if c == 0 else a for a, c in zip(adapters, mixed)], mixed)
+        routed = model(calls.ids)
+    for i, (length, scale) in enumerate(zip(lens, mixed)):
+        rows = slice(sum(lens[:i]), sum(lens[:i]) + length)
+        if scale == 0 and not torch.equal(scaled[rows], routed[rows]):
+            raise SystemExit(f"bench_request_scales: request {i} at scale 0 is not the base model's output")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = benchmark_parser("bench_request_scales", __doc__.splitlines()[0])
+    args = parser.parse_args(argv)
+    threads = apply_threads(args.threads)
+    size = "smoke" if args.smoke else "default"
+    rounds = 3 if args.smoke else args.rounds
+    load = os.getloadavg()[0]
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        model, mlora = build(SIZES[size], Path(tmp))
+        for phase, (requests, length) in SHAPES[size].items():
+            calls, *batch = step_calls(model, mlora, requests, length)
+            check(model, mlora, calls, *batch)
+            for call in calls.values():
+                call()  # warm up: batches built and cached, plans made
+            timer = Interleaved(VARIANTS)
+            repeats = 3 if args.smoke else 20
+            for _ in range(rounds):
+                timer.round({name: (lambda c=call: [c() for _ in range(repeats)]) for name, call in calls.items()})
+            base = timer.samples["before"]
+            results[phase] = {name: Spread.of([s / b for s, b in zip(timer.samples[name], base)])
+                              for name in VARIANTS[1:]}
+    info = machine_info()
+    print(f"bench_request_scales: {info['cpu']} ({info['cpu_count']} cores), torch {info['torch']}, {threads} "
+          f"threads; load average {load:.2f} before the run; {rounds} rounds")
+    for phase, figures in results.items():
+        requests, length = SHAPES[size][phase]
+        cells = ", ".join(f"{name} {format_spread(s, '{:.3f}')}" for name, s in figures.items())
+        print(f"{phase} ({requests} x {length} tokens), time / before: {cells}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"machine": info, "load": load, "rounds": rounds, "results": {
+            phase: {name: vars(s) for name, s in figures.items()} for phase, figures in results.items()}},
+            indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
