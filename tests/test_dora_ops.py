@@ -22,7 +22,8 @@ from torch import nn
 
 from lora_core import available_backends, get_backend
 from lora_core.adapters import LoRAModuleWeights
-from lora_core.dora import dora_factor, reference_dora_scale
+from lora_core.dora import (dora_factor, dora_terms, no_dora_terms, reference_dora_scale, reference_scaled_dora,
+                            scaled_dora)
 from lora_core.testing import (BatchPair, TOLERANCES, assert_close_to_reference, count_launches,
                                fill_embedding_garbage, fill_linear_garbage, make_batch_info, random_batch_pair, random_ranks)
 from lora_layers.layers import EmbeddingWithLoRA, LinearWithLoRA, LoRAContext, WHOLE_MODULE
@@ -60,6 +61,38 @@ def test_dora_scale_matches_the_reference(device, backend, case):
     out_a, out_b = pair.run(device, scale, output)
     for got, ref in zip((out_a, out_b), pair.reference_infos()):
         assert_close_to_reference(got, reference_dora_scale(output, factors, ref, bias))
+
+
+@pytest.mark.parametrize("case", range(3))
+def test_scaled_dora_matches_the_reference_at_each_rows_scale(device, case):
+    """DoRA's rescale at each row's request scale (``factor(c) = m / ||W + c*s*B@A||``), from the
+    per-slot terms; slot -1 rows untouched; captured with batch A, replayed with B's scales."""
+    rng, gen = random.Random(case), torch.Generator().manual_seed(case)
+    num_slots, out, in_features, T = rng.choice([(1, 5, 3, 7), (4, 24, 16, 33), (6, 40, 8, 64)])
+    ranks = random_ranks(rng, num_slots, 8)
+    pair = random_batch_pair(rng, T, ranks, scaled=True)
+    dev = device.torch_device
+    terms = no_dora_terms(num_slots, out, "cpu")
+    for slot in range(0, num_slots, 2):  # DoRA on every other slot
+        w, a, b = torch.randn(out, in_features, generator=gen), torch.randn(4, in_features, generator=gen), \
+            torch.randn(out, 4, generator=gen)
+        terms[slot] = dora_terms(w, a, b, 0.5, torch.rand(out, generator=gen) + 0.5)
+        c = 1.7  # the terms give PEFT's factor at any scale: the norm of the scaled weight
+        m, n0, n1, n2 = terms[slot]
+        assert torch.allclose(m / torch.sqrt(n0 + 2 * c * n1 + c * c * n2), dora_factor(w, a, b, 0.5 * c, m), rtol=1e-5)
+    terms = terms.to(dev)
+    bias = torch.randn(out, generator=gen) if case != 1 else None
+    bias_dev = None if bias is None else bias.to(dev)
+    output = (torch.randn(T, out, generator=gen) * 3).to(dev)
+
+    def scale(info, output):
+        return scaled_dora(output.clone(), terms, info, bias_dev)
+
+    out_a, out_b = pair.run(device, scale, output)
+    for got, ref in zip((out_a, out_b), pair.reference_infos()):
+        assert_close_to_reference(got, reference_scaled_dora(output, terms, ref, bias))
+        slots = ref.token_slots_cpu[:T]
+        assert torch.equal(got.cpu()[slots < 0], output.cpu()[slots < 0])  # base rows untouched
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

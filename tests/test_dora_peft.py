@@ -212,6 +212,32 @@ def test_mixed_batch_logits_equal_peft_per_row(backend, served):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_request_scales_give_each_row_pefts_scaled_dora(backend, served):
+    """A DoRA adapter at a request scale is PEFT's scaled DoRA adapter (``rescale_adapter_scale``):
+    the scale multiplies the delta and the scaling inside the weight norm, so scale 0 rescales the
+    base output by ``m / ||W||`` (it is not the base model's output, as it is without DoRA)."""
+    from peft.helpers import rescale_adapter_scale
+
+    kind, base, peft_model, paths = served
+    model = copy.deepcopy(base)
+    mlora = MultiLoRA.from_adapters(model, paths, backend=backend)
+    ids, mask = _inputs()
+    scales = [0.3, 1.0, 1.7, 0.0]
+    with torch.no_grad(), mlora.route(ROUTE, scales):
+        got = model(input_ids=ids, attention_mask=mask).logits
+    for i, (name, scale) in enumerate(zip(ROUTE, scales)):
+        if name is None:
+            continue
+        peft_model.set_adapter(name)
+        with torch.no_grad(), rescale_adapter_scale(peft_model, scale):
+            want = peft_model(input_ids=ids, attention_mask=mask).logits[i]
+        assert ((got[i] - want).abs().max() / want.abs().max()).item() <= 1e-5, (kind, name, scale)
+    with torch.no_grad():
+        plain = base(input_ids=ids, attention_mask=mask).logits
+    assert not torch.allclose(got[3], plain[3], rtol=1e-3, atol=1e-3)  # DoRA at scale 0: m / ||W||
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_greedy_generate_gives_each_row_peft_single_adapter_tokens(backend, served):
     kind, base, peft_model, paths = served
     model = copy.deepcopy(base)

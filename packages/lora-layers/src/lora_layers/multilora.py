@@ -305,7 +305,8 @@ class MultiLoRA:
         """Describe the next forward pass: tokens per request, each request's adapter
         (``None`` = base model) and, optionally, each request's scale: a multiplier (finite,
         ``>= 0``) of its adapter's delta in every LoRA module its tokens pass through, on top
-        of the adapter's own scaling (0: the base model's output; docs/request-scales.md).
+        of the adapter's own scaling (0: the base model's output; a DoRA adapter is PEFT's scaled
+        DoRA adapter: docs/request-scales.md).
         In graph mode the preallocated batch is refilled in place (scales need
         ``enable_graph(..., scales=True)``).
 
@@ -315,8 +316,6 @@ class MultiLoRA:
         if len(seq_lens) != len(adapters):
             raise ValueError(f"seq_lens and adapters must have one entry per request; got {len(seq_lens)} and {len(adapters)}")
         slot_ids = [None if a is None else self._slot_table.slot_of(a) for a in adapters]
-        if scales is not None:
-            self._slot_table.check_scales(adapters, scales)
         self._slot_table.touch(adapters)
         if self._graph.enabled:
             return self._graph.refill(seq_lens, slot_ids, scales)

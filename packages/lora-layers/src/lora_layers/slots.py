@@ -11,7 +11,7 @@ of layer kinds, model structure or batches: after every change it calls
 
 from __future__ import annotations
 
-from typing import Callable, Collection, Iterable, Mapping, Sequence
+from typing import Callable, Collection, Iterable, Mapping
 
 from lora_core import AdapterSlots, PeftAdapter, peft_scaling
 
@@ -49,8 +49,6 @@ class SlotTable:
         self._on_change = on_change
         self._last_used: dict[str, int] = {}
         self._uses = 0
-        self._dora: set[str] = set()
-        """Loaded DoRA adapters (their request scales are refused: :meth:`check_scales`)."""
 
     def slot_of(self, name: str) -> int:
         """``name``'s slot; ``ValueError`` naming the loaded adapters if it is not loaded."""
@@ -114,8 +112,6 @@ class SlotTable:
             for layer in layers.values():
                 layer.reset_lora(slot)
             raise
-        if adapter.use_dora:
-            self._dora.add(name)
         self._on_change()
         return slot
 
@@ -124,20 +120,9 @@ class SlotTable:
         slot = self.slot_of(name)
         self.slots.release(name)
         self._last_used.pop(name, None)
-        self._dora.discard(name)
         for layer in layers.values():
             layer.reset_lora(slot)
         self._on_change()
-
-    def check_scales(self, adapters: Sequence[str | None], scales: Sequence[float]) -> None:
-        """``ValueError`` naming the request when a DoRA adapter gets a scale other than 1: PEFT's
-        scaled DoRA renormalizes by ``||W + scale * s * B @ A||``, a factor per (adapter, scale)
-        that lora-kit keeps per slot only (docs/request-scales.md). The scales' values and count
-        are checked with the batch (``lora_core.build_batch_info``)."""
-        for i, (name, scale) in enumerate(zip(adapters, scales)):
-            if name in self._dora and scale != 1:
-                raise ValueError(f"scales[{i}] (request {i}) = {scale!r}: adapter {name!r} is a DoRA adapter, and "
-                                 "request scales other than 1 are not supported for DoRA adapters yet")
 
     def least_recently_used(self, protected: Collection[str | None] = ()) -> str:
         """The loaded adapter used longest ago (never used: the lowest slot first),

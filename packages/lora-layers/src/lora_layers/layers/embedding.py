@@ -7,7 +7,7 @@ from torch import nn
 
 from lora_core import EmbeddingLoRABuffers
 from lora_core.checks import check_bool
-from lora_core.dora import dora_factor
+from lora_core.dora import NO_DORA_TERMS, dora_factor, dora_terms, no_dora_terms, scaled_dora
 
 from ..parallel import TensorParallel, shard_range
 from .context import LoRAContext, WrapTarget, inference_forward
@@ -64,8 +64,11 @@ class EmbeddingWithLoRA(nn.Module):
                                             device=context.device)
         self.dora_factors: torch.Tensor | None = None
         """``(num_slots, D)`` float32 DoRA factors (1: no DoRA), with ``context.dora``."""
+        self.dora_terms: torch.Tensor | None = None
+        """``(num_slots, 4, D)`` float32 :func:`~lora_core.dora.dora_terms`, for batches with request scales."""
         if context.dora:
             self.dora_factors = torch.ones(context.num_slots, base_layer.embedding_dim, device=context.device)
+            self.dora_terms = no_dora_terms(context.num_slots, base_layer.embedding_dim, context.device)
 
     @classmethod
     def can_wrap(cls, module: nn.Module, target: WrapTarget) -> bool:
@@ -104,15 +107,18 @@ class EmbeddingWithLoRA(nn.Module):
             raise ValueError("expected lora_embedding_A/B weights for an embedding")
         if check_dora_parts(parts, self.dora_factors, self.tp.size):
             factors = dora_factor(self.base_layer.weight.T, w.lora_a, w.lora_b, w.scaling, w.magnitude)
+            terms = dora_terms(self.base_layer.weight.T, w.lora_a, w.lora_b, w.scaling, w.magnitude)
         self.set_lora(slot, w.lora_a, folded_b(w, slot_scaling))
         if self.dora_factors is not None:
             self.dora_factors[slot] = factors if w.magnitude is not None else 1.0
+            self.dora_terms[slot] = terms if w.magnitude is not None else torch.tensor(NO_DORA_TERMS)[:, None]
 
     def reset_lora(self, slot: int) -> None:
         """Zero ``slot``'s weights and added-token rows (the adapter in it is unloaded)."""
         self.buffers.clear(slot)
         if self.dora_factors is not None:
             self.dora_factors[slot] = 1.0
+            self.dora_terms[slot] = self.dora_terms.new_tensor(NO_DORA_TERMS)[:, None]
 
     @inference_forward
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -142,6 +148,8 @@ class EmbeddingWithLoRA(nn.Module):
             dims = base[:, self._dims[0] : self._dims[1]]
             ctx.add_delta(dims, backend.run_lora_b(shrunk, self.buffers.b, (0, dims.shape[1]), ctx.lora_output(dims)))
             out = self.tp.all_reduce(base)
-        if self.dora_factors is not None:
-            out = backend.run_dora_scale(out, self.dora_factors)
+        if self.dora_factors is not None:  # at each row's request scale when the batch has them
+            rows = backend.batch_info
+            out = (scaled_dora(out, self.dora_terms, rows) if rows.has_request_scales
+                   else backend.run_dora_scale(out, self.dora_factors))
         return out.reshape(*lead, out.shape[-1])

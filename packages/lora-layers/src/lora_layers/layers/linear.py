@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from lora_core import LinearLoRABuffers, slice_offsets_from_widths
-from lora_core.dora import dora_factor
+from lora_core.dora import NO_DORA_TERMS, dora_factor, dora_terms, no_dora_terms, scaled_dora
 
 from ..parallel import TensorParallel
 from .context import LoRAContext, WrapTarget, flatten_tokens, inference_forward
@@ -47,8 +47,11 @@ class LinearWithLoRA(nn.Module):
                                          dtype=context.dtype, device=context.device)
         self.dora_factors: torch.Tensor | None = None
         """``(num_slots, out)`` float32 DoRA factors of the local outputs (1: no DoRA), with ``context.dora``."""
+        self.dora_terms: torch.Tensor | None = None
+        """``(num_slots, 4, out)`` float32 :func:`~lora_core.dora.dora_terms`, for batches with request scales."""
         if context.dora:
             self.dora_factors = torch.ones(context.num_slots, self.out_features, device=context.device)
+            self.dora_terms = no_dora_terms(context.num_slots, self.out_features, context.device)
 
     @classmethod
     def _features(cls, base_layer: nn.Module) -> tuple[int, int]:
@@ -116,31 +119,33 @@ class LinearWithLoRA(nn.Module):
         else:
             slices = [(parts[i].lora_a, folded_b(parts[i], slot_scaling)) if i in parts else None
                       for i in range(self.num_slices)]
-        factors = self._dora_factors_of(parts)  # checked before anything is written
+        dora = self._dora_of(parts)  # checked before anything is written
         self.set_lora(slot, slices)
-        if factors is not None:
-            self.dora_factors[slot] = factors
+        if dora is not None:
+            self.dora_factors[slot], self.dora_terms[slot] = dora
 
     def reset_lora(self, slot: int) -> None:
         """Zero ``slot``'s weights (the adapter in it is unloaded)."""
         self.buffers.clear(slot)
         if self.dora_factors is not None:
             self.dora_factors[slot] = 1.0
+            self.dora_terms[slot] = self.dora_terms.new_tensor(NO_DORA_TERMS)[:, None]
 
     def _base_weight(self) -> torch.Tensor:
         """The base layer's weight as a dense ``(out, in)`` tensor (what DoRA's norm is taken over):
         a quantized layer's weight dequantized into a temporary copy (:func:`dense_weight`)."""
         return dense_weight(self.base_layer.weight)
 
-    def _dora_factors_of(self, parts: ModuleParts) -> torch.Tensor | None:
-        """An adapter's ``(out,)`` DoRA factors for this layer, computed once, at load
-        (lora_core.dora.dora_factor): each part with a magnitude vector sets its output
-        rows, other rows get 1. ``None`` for a layer without DoRA factors."""
+    def _dora_of(self, parts: ModuleParts) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """An adapter's ``(out,)`` DoRA factors and ``(4, out)`` terms for this layer, computed once,
+        at load (lora_core.dora.dora_factor, dora_terms): each part with a magnitude vector sets its
+        output rows, other rows get factor 1. ``None`` for a layer without DoRA factors."""
         check_dora_parts(parts, self.dora_factors, self.tp.size)
         if self.dora_factors is None:
             return None
         dora = {i: w for i, w in parts.items() if w.magnitude is not None}
         factors = torch.ones_like(self.dora_factors[0])
+        terms = self.dora_terms.new_tensor(NO_DORA_TERMS)[:, None].repeat(1, factors.shape[0])
         offsets = slice_offsets_from_widths(self.unsharded_slice_widths)
         try:
             weight = self._base_weight() if dora else None
@@ -150,7 +155,8 @@ class LinearWithLoRA(nn.Module):
         for i, w in dora.items():
             lo, hi = (0, offsets[-1]) if i == WHOLE_MODULE else (offsets[i], offsets[i + 1])
             factors[lo:hi] = dora_factor(weight[lo:hi], w.lora_a, w.lora_b, w.scaling, w.magnitude)
-        return factors
+            terms[:, lo:hi] = dora_terms(weight[lo:hi], w.lora_a, w.lora_b, w.scaling, w.magnitude)
+        return factors, terms
 
     def _base(self, x: torch.Tensor) -> torch.Tensor:
         return self.base_layer(x)
@@ -165,7 +171,11 @@ class LinearWithLoRA(nn.Module):
         """Each row rescaled by its slot's DoRA factors (with ``context.dora``), in place."""
         if self.dora_factors is None:
             return out
-        return self.context.backend.run_dora_scale(out, self.dora_factors, self.base_layer.bias, pruned=pruned)
+        backend, bias = self.context.backend, self.base_layer.bias
+        rows = backend.batch_info.lm_head_view(pruned)
+        if rows.has_request_scales:  # the factor depends on each row's scale
+            return scaled_dora(out, self.dora_terms, rows, bias)
+        return backend.run_dora_scale(out, self.dora_factors, bias, pruned=pruned)
 
     def _finish(self, out: torch.Tensor) -> torch.Tensor:
         return out
