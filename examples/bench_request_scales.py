@@ -1,8 +1,9 @@
 """What request scales cost (issue #40): a decode step and a prefill with and without them, side by side.
 
-lora-layers' ``TinyDecoder`` (Llama-shaped: hidden 256, 4 layers, every linear module wrapped)
-serves four PEFT adapters of ranks 8, 16, 24 and 32, eagerly, on a decode batch of 32 one-token
-requests and a prefill of 8 requests of 32 tokens (every fifth request on the base model). Each
+lora-layers' ``TinyDecoder`` (Llama-shaped: hidden 256, 4 layers) serves lora-sim's four synthetic
+PEFT adapters (ranks 8, 16, 32 and 64, one with rsLoRA, one on the embedding and LM head too),
+eagerly, on a decode batch of 32 one-token requests and a prefill of 8 requests of 32 tokens
+(every fifth request on the base model). Each
 round runs every variant once, the order rotating (``lora_core.testing.timing``):
 
 * ``before``: the batch without scales, with the scale step taken out of the backend's ops
@@ -34,31 +35,25 @@ from unittest import mock
 import torch
 
 import lora_core.backend
-from lora_core import save_peft_adapter
 from lora_core.testing.timing import Interleaved, Spread, apply_threads, benchmark_parser, format_spread, machine_info
 from lora_layers import MultiLoRA, TinyConfig, TinyDecoder
+from lora_layers.sim.adapters import make_synthetic_adapters
 
 SIZES = {
     "default": dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=4),
     "smoke": dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2),
 }
-RANKS = (8, 16, 24, 32)
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 SHAPES = {"default": {"decode": (32, 1), "prefill": (8, 32)}, "smoke": {"decode": (8, 1), "prefill": (3, 5)}}
 VARIANTS = ("before", "no scales", "scales, all 1", "scales")
 
 
-def build(sizes: dict, tmp: Path) -> tuple[TinyDecoder, MultiLoRA]:
-    """The wrapped model with its four adapters loaded."""
+def build(sizes: dict, tmp: Path) -> tuple[TinyDecoder, MultiLoRA, list[str]]:
+    """The model serving lora-sim's four synthetic adapters, and their names."""
     torch.manual_seed(0)
-    model = TinyDecoder(TinyConfig(**sizes)).eval()
-    linears = {n: m for n, m in model.named_modules() if n.rsplit(".", 1)[-1] in TARGETS}
-    mlora = MultiLoRA(model, TARGETS, max_loras=len(RANKS), max_rank=max(RANKS))
-    for i, r in enumerate(RANKS):
-        weights = {n: (torch.randn(r, m.in_features) / 8, torch.randn(m.out_features, r) / 8)
-                   for n, m in linears.items()}
-        mlora.load_adapter(f"a{i}", save_peft_adapter(tmp / f"a{i}", weights, r=r, lora_alpha=2 * r))
-    return model, mlora
+    config = TinyConfig(**sizes)
+    model = TinyDecoder(config).eval()
+    paths = make_synthetic_adapters(config, tmp)
+    return model, MultiLoRA.from_adapters(model, paths), list(paths)
 
 
 @contextmanager
@@ -76,12 +71,12 @@ class Calls(dict):
         self.ids = ids
 
 
-def step_calls(model: TinyDecoder, mlora: MultiLoRA, requests: int, length: int) -> tuple:
+def step_calls(model: TinyDecoder, mlora: MultiLoRA, names: list[str], requests: int, length: int) -> tuple:
     """``(calls, seq_lens, adapters, scales)``: one forward of ``requests`` x ``length`` tokens per
     variant (the batch set inside the call, as a server sets it each step; eager batches are cached
     by layout and scales), and the batch the ``scales`` variant runs."""
     lens = [length] * requests
-    adapters = [None if i % 5 == 0 else f"a{i % len(RANKS)}" for i in range(requests)]
+    adapters = [None if i % 5 == 0 else names[i % len(names)] for i in range(requests)]
     mixed = [(0.3, 1.0, 1.7, 0.0)[i % 4] for i in range(requests)]
     ids = torch.randint(0, model.config.vocab_size, (requests * length,), generator=torch.Generator().manual_seed(1))
 
@@ -126,9 +121,9 @@ def main(argv: list[str] | None = None) -> int:
     load = os.getloadavg()[0]
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
-        model, mlora = build(SIZES[size], Path(tmp))
+        model, mlora, names = build(SIZES[size], Path(tmp))
         for phase, (requests, length) in SHAPES[size].items():
-            calls, *batch = step_calls(model, mlora, requests, length)
+            calls, *batch = step_calls(model, mlora, names, requests, length)
             check(model, mlora, calls, *batch)
             for call in calls.values():
                 call()  # warm up: batches built and cached, plans made
