@@ -233,7 +233,7 @@ def test_progress_lines_on_stderr_and_quiet(capsys, tmp_path):
     assert sim.main(argv) == 0
     err = capsys.readouterr().err.splitlines()
     assert err[0].startswith("lora-sim: writing 4 synthetic adapters; 1 backend(s) x 2 device(s) to run, about ")
-    assert err[1] == "lora-sim: building 5 fp32 reference models"
+    assert err[1] == "lora-sim: building 6 fp32 reference models"  # the base and 5 (adapter, scale) pairs
     assert err[2].startswith("lora-sim: [1/2] torch_native / cpu: pass, ") and err[2].endswith(" s")
     assert err[3].startswith("lora-sim: [2/2] torch_native / npu: skipped: torch_npu")
     assert err[4].startswith("lora-sim: 2 rows in ") and len(err) == 5
