@@ -66,3 +66,9 @@ def test_checked_against_scale_1_references_the_scaled_rows_fail(capsys, monkeyp
     assert "| torch_native | cpu | fail |" in capsys.readouterr().out
     (row,) = json.loads((tmp_path / "r.json").read_text())["rows"]
     assert row["max_abs_error"] > 1e-2  # far outside the fp32 tolerance, not a rounding miss
+
+
+def test_the_help_states_the_default_workloads_scales():
+    adapter_scales = [f"{s:g}" for a, s in Workload().requests() if a is not None]
+    said = f"{', '.join(adapter_scales[:-1])} and {adapter_scales[-1]}"
+    assert f"the five adapter requests are at {said} (0: no delta;" in " ".join(sim.cli.EPILOG.split())

@@ -213,7 +213,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("command", nargs="?", choices=["run", "devices", "bench"], default="run",
                         help="run (default): the simulation; devices: the device matrix; bench: op benchmarks")
     parser.add_argument("--adapter", action="append", default=[], metavar="NAME=PATH",
-                        help="a PEFT adapter directory to serve (repeatable; default: four synthetic adapters)")
+                        help="a PEFT adapter directory to serve (repeatable; default: four synthetic adapters), "
+                        "in the default workload's requests at their request scales (see below)")
     parser.add_argument("--model-config", metavar="JSON", help="model sizes, a JSON file or inline JSON object: "
                         "lora-sim's keys or a transformers config.json (see below)")
     parser.add_argument("--backend", action="append", default=[], help="restrict to these backends (repeatable)")
