@@ -11,14 +11,24 @@ SMALL = '{"vocab_size": 64, "hidden_size": 32, "intermediate_size": 48, "num_att
 
 
 def test_default_workload_passes_on_cpu_devices(capsys, tmp_path):
-    code = sim.main(["--device", "cpu", "--device", "cpu-graphsim", "--model-config", SMALL,
+    # its requests carry scales (0.5, 1.5 and 0 among them): eager, graph mode and compiled
+    code = sim.main(["--device", "cpu", "--device", "cpu-graphsim", "--device", "cpu-compile",
+                     "--compile-backend", "aot_eager", "--model-config", SMALL,
                      "--decode-steps", "2", "--rounds", "3", "--json", str(tmp_path / "r.json")])
     out = capsys.readouterr().out
     assert code == 0, out
     assert "| torch_native | cpu | pass |" in out and "| ascend | cpu-graphsim | pass |" in out
     assert "safe (strict simulated capture)" in out and "median (min–max) over 3 rounds" in out
-    rows = json.loads((tmp_path / "r.json").read_text())["rows"]
+    assert ("requests (prompt tokens, adapter x request scale): 17 tok r8 x1, 5 tok base, 33 tok r16 x0.5, "
+            "9 tok r32-rslora x1, 1 tok r64-embed-head x1.5, 24 tok r8 x0;") in out
+    document = json.loads((tmp_path / "r.json").read_text())
+    assert document["workload"]["scales"] == [1.0, 1.0, 0.5, 1.0, 1.5, 0.0]
+    rows = document["rows"]
+    assert [(r["backend"], r["device"]) for r in rows] == [(b, d) for b in ("ascend", "torch_native")
+                                                           for d in ("cpu", "cpu-graphsim", "cpu-compile")]
     assert {r["status"] for r in rows} == {"pass"} and all(r["launches_per_decode_step"] > 0 for r in rows)
+    # decode steps at other scales replay the one compiled graph
+    assert [r["compiled_decode"]["recompiles"] for r in rows if r["device"] == "cpu-compile"] == [0, 0]
 
 
 def test_unavailable_devices_are_rows_that_say_why(capsys):
@@ -40,7 +50,10 @@ def test_real_adapters_are_served(capsys, tmp_path):
     paths = sim.make_synthetic_adapters(config, tmp_path)
     args = [f"--adapter=mine={paths['r16']}", "--device", "cpu", "--model-config", SMALL, "--decode-steps", "1"]
     assert sim.main(args) == 0
-    assert "adapters ['mine']" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "adapters ['mine']" in out
+    # request scales belong to requests, so a given adapter is served at each of the workload's
+    assert "17 tok mine x1, 5 tok base, 33 tok mine x0.5, 9 tok mine x1, 1 tok mine x1.5, 24 tok mine x0;" in out
 
 
 @pytest.mark.parametrize(

@@ -25,5 +25,5 @@ def test_the_merged_reference_of_a_fused_model_matches_the_unfused_one(tmp_path)
     fused = merged_reference_models(TinyDecoder(fused_config).fuse_from(TinyDecoder(unfused_config)), paths)
     ids = torch.arange(10)
     for name in [None, *paths]:
-        torch.testing.assert_close(fused[name](ids), unfused[name](ids))
-    assert not torch.allclose(unfused["r16"](ids), unfused[None](ids))
+        torch.testing.assert_close(fused[(name, 1.0)](ids), unfused[(name, 1.0)](ids))
+    assert not torch.allclose(unfused[("r16", 1.0)](ids), unfused[(None, 1.0)](ids))

@@ -245,14 +245,16 @@ def _projection_dims(config: Mapping[str, Any]) -> Iterable[tuple[int, int]]:
 
 
 def estimate_memory(config: Mapping[str, Any], adapter_ranks: Sequence[int], tokens: int,
-                    saved_params_per_slot: int = 0) -> MemoryEstimate:
+                    saved_params_per_slot: int = 0, merged_references: int | None = None) -> MemoryEstimate:
     """The peak memory of a run of a model of ``config`` (a :class:`~lora_layers.TinyConfig`
     as a dict) serving adapters of ``adapter_ranks`` on ``tokens`` prefill tokens, with
     ``saved_params_per_slot`` parameters of copies of modules adapters train whole
-    (``modules_to_save``) in every slot.
+    (``modules_to_save``) in every slot, checked against ``merged_references`` fp32 reference
+    models with an adapter merged in (one per (adapter, request scale) of the workload;
+    ``None``: one per adapter).
 
-    Alive at once: an fp32 reference model per adapter, the unmerged one and the model it
-    is merged from, and a row's model with LoRA and its base copy (``len + 4`` copies);
+    Alive at once: the merged fp32 reference models, the unmerged one and the model they
+    are merged from, and a row's model with LoRA and its base copy (``merged_references + 4`` copies);
     the LoRA buffers of one :class:`~lora_layers.MultiLoRA` (every module, embedding and LM
     head included, at the largest rank in every slot); the adapters' weights (each at most
     every module at its rank); and a few logits-sized activations of the prefill.
@@ -266,7 +268,8 @@ def estimate_memory(config: Mapping[str, Any], adapter_ranks: Sequence[int], tok
     module_width = layers * sum(n * (a + b) for n, (a, b) in zip(counts, dims)) + 2 * (v + h)
     slots, rank = max(1, len(adapter_ranks)), max(adapter_ranks, default=1)
     width = max(v, 2 * config["intermediate_size"], 3 * h)
-    return MemoryEstimate(model_params=params, model_copies=len(adapter_ranks) + 4,
+    merged = len(adapter_ranks) if merged_references is None else merged_references
+    return MemoryEstimate(model_params=params, model_copies=merged + 4,
                           lora_buffer_params=slots * rank * module_width,
                           adapter_params=sum(adapter_ranks) * module_width,
                           activation_params=8 * tokens * width, slots=slots,

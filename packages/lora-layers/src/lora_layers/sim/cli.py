@@ -40,6 +40,7 @@ from .checks import (
 from .errors import UsageError
 from .help_text import DESCRIPTION, EPILOG
 from .quantize import QUANTIZATIONS, Quantization, check_quantization
+from .reference import reference_keys
 from .report import format_devices, format_header, format_rows, to_json, write_plot
 from .run import COMPILE_BACKENDS, ROUNDS, check_compile_backend, run_simulation
 from .serving import AdapterSources, build_multilora, saved_modules
@@ -212,7 +213,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("command", nargs="?", choices=["run", "devices", "bench"], default="run",
                         help="run (default): the simulation; devices: the device matrix; bench: op benchmarks")
     parser.add_argument("--adapter", action="append", default=[], metavar="NAME=PATH",
-                        help="a PEFT adapter directory to serve (repeatable; default: four synthetic adapters)")
+                        help="a PEFT adapter directory to serve (repeatable; default: four synthetic adapters), "
+                        "in the default workload's requests at their request scales (see below)")
     parser.add_argument("--model-config", metavar="JSON", help="model sizes, a JSON file or inline JSON object: "
                         "lora-sim's keys or a transformers config.json (see below)")
     parser.add_argument("--backend", action="append", default=[], help="restrict to these backends (repeatable)")
@@ -282,7 +284,9 @@ def check_run(args: argparse.Namespace) -> RunPlan:
     ranks = [rank for _, rank in given.values()] if given else [spec[0] for spec in SYNTHETIC_ADAPTERS.values()]
     adapters = {name: adapter for name, (adapter, _) in given.items()} if given else None
     saved = sum(saved_modules(adapters).values()) if adapters else 0
-    memory = estimate_memory(config.to_dict(), ranks, sum(Workload.prompt_lens), saved)
+    requests = default_workload(list(adapters) if adapters else list(SYNTHETIC_ADAPTERS)).requests()
+    memory = estimate_memory(config.to_dict(), ranks, sum(Workload.prompt_lens), saved,
+                             merged_references=len(reference_keys(requests)) - 1)
     limit = MAX_MEMORY_GIB if args.max_memory_gib is None else args.max_memory_gib
     if memory.gib > limit:
         raise UsageError(f"this run needs about {memory.size()} of memory ({memory.describe()}), above "

@@ -1,12 +1,13 @@
-"""The oracle of ``lora-sim``: fp32 copies of the base model with each adapter merged in."""
+"""The oracle of ``lora-sim``: fp32 copies of the base model with each adapter merged in at each request scale."""
 
 from __future__ import annotations
 
 import copy
-from typing import Mapping, Sequence
+from typing import Iterable, Mapping, Sequence
 
 import torch
 
+from lora_core import PeftAdapter
 from lora_core.testing import TOLERANCES
 
 from ..models import TinyDecoder
@@ -14,57 +15,88 @@ from ..packing import LLAMA_PACKED_MODULES, infer_slice_widths
 from ..targeting import name_parameter_targets
 from .serving import AdapterSources, load_adapters, packed_module_of
 
-__all__ = ["ScaledCheck", "merged_reference_models", "reference_logits"]
+__all__ = ["ReferenceKey", "ScaledCheck", "merged_reference_models", "reference_key", "reference_keys",
+           "reference_logits"]
+
+ReferenceKey = tuple[str | None, float]
+"""Which reference model a request is checked against: its adapter and its request scale."""
 
 
-def merged_reference_models(base: TinyDecoder, adapters: AdapterSources) -> dict[str | None, TinyDecoder]:
-    """fp32 copies of ``base``, one per adapter with it merged into the weights
-    (``W += scaling * B @ A``; an embedding's delta transposed; a PEFT module that
-    lives in a fused module lands in its slice, of the widths
-    :func:`lora_layers.packing.infer_slice_widths` gives; a targeted experts parameter
-    gets each expert's ``scaling * B_e @ A_e``; a module the adapter trained whole,
-    ``modules_to_save``, is replaced by its copy), and the unmerged copy under the key ``None``."""
-    models: dict[str | None, TinyDecoder] = {None: copy.deepcopy(base).float()}
-    for name, loaded in load_adapters(adapters).items():
-        merged = copy.deepcopy(base).float()
-        params = dict(merged.named_parameters())
-        modules = dict(merged.named_modules())
-        adapter = name_parameter_targets(name, loaded, modules)
-        for module, saved in adapter.saved_modules.items():
-            params[f"{module}.weight"].data.copy_(saved.weight)
-            if saved.bias is not None:
-                params[f"{module}.bias"].data.copy_(saved.bias)
-        for module, w in adapter.modules.items():
-            delta = w.scaling * (w.lora_b.float() @ w.lora_a.float())  # per expert for a targeted parameter
-            if w.kind == "embedding":
-                params[f"{module}.weight"].data += delta.T
-                continue
-            if w.kind == "experts":  # (E, out, in), as PEFT's ParamWrapper merges it
-                params[module].data += delta
-                continue
-            parent, _, last = module.rpartition(".")
-            packed = packed_module_of(last)
-            if f"{module}.weight" in params or packed is None:
-                params[f"{module}.weight"].data += delta
-                continue
-            fused_name = f"{parent}.{packed}"
-            parts = LLAMA_PACKED_MODULES[packed]
-            widths = infer_slice_widths(fused_name, merged.get_submodule(fused_name), parts, merged)
-            start = sum(widths[: parts.index(last)])
-            params[f"{fused_name}.weight"].data[start : start + widths[parts.index(last)]] += delta
-        models[name] = merged
+def reference_key(adapter: str | None, scale: float) -> ReferenceKey:
+    """The reference of a request of ``adapter`` at request scale ``scale``: ``(adapter, scale)``;
+    the unmerged model ``(None, 1.0)`` for a base-model request, whatever its scale (it has no
+    delta to scale)."""
+    return (None, 1.0) if adapter is None else (adapter, float(scale))
+
+
+def reference_keys(requests: Iterable[tuple[str | None, float]]) -> list[ReferenceKey]:
+    """The reference models ``requests`` (each an adapter and its request scale) are checked
+    against, once each: the unmerged ``(None, 1.0)`` first, then each (adapter, scale) in order."""
+    return list(dict.fromkeys([(None, 1.0)] + [reference_key(a, s) for a, s in requests]))
+
+
+def _merge(model: TinyDecoder, name: str, loaded: PeftAdapter, scale: float) -> None:
+    """Merge adapter ``name`` into the fp32 ``model`` in place at request scale ``scale``: each
+    module's ``W += scale * scaling * B @ A`` (see :func:`merged_reference_models`), and each
+    module it trained whole replaced by its copy, not scaled."""
+    params = dict(model.named_parameters())
+    adapter = name_parameter_targets(name, loaded, dict(model.named_modules()))
+    for module, saved in adapter.saved_modules.items():
+        params[f"{module}.weight"].data.copy_(saved.weight)
+        if saved.bias is not None:
+            params[f"{module}.bias"].data.copy_(saved.bias)
+    for module, w in adapter.modules.items():
+        delta = scale * w.scaling * (w.lora_b.float() @ w.lora_a.float())  # per expert for a targeted parameter
+        if w.kind == "embedding":
+            params[f"{module}.weight"].data += delta.T
+            continue
+        if w.kind == "experts":  # (E, out, in), as PEFT's ParamWrapper merges it
+            params[module].data += delta
+            continue
+        parent, _, last = module.rpartition(".")
+        packed = packed_module_of(last)
+        if f"{module}.weight" in params or packed is None:
+            params[f"{module}.weight"].data += delta
+            continue
+        fused_name = f"{parent}.{packed}"
+        parts = LLAMA_PACKED_MODULES[packed]
+        widths = infer_slice_widths(fused_name, model.get_submodule(fused_name), parts, model)
+        start = sum(widths[: parts.index(last)])
+        params[f"{fused_name}.weight"].data[start : start + widths[parts.index(last)]] += delta
+
+
+def merged_reference_models(base: TinyDecoder, adapters: AdapterSources,
+                            requests: Iterable[tuple[str | None, float]] | None = None
+                            ) -> dict[ReferenceKey, TinyDecoder]:
+    """fp32 copies of ``base``, one per (adapter, request scale) of ``requests`` (``None``: every
+    adapter at scale 1) with the adapter merged into the weights at that scale, keyed by
+    :func:`reference_key`, and the unmerged copy under ``(None, 1.0)``.
+
+    Merged at scale ``s``: ``W += s * scaling * B @ A`` (an embedding's delta transposed; a PEFT
+    module that lives in a fused module lands in its slice, of the widths
+    :func:`lora_layers.packing.infer_slice_widths` gives; a targeted experts parameter gets each
+    expert's ``s * scaling * B_e @ A_e``); a module the adapter trained whole, ``modules_to_save``,
+    is replaced by its copy at any scale (request scales do not scale it), so at scale 0 the
+    model is the unmerged one but for those copies.
+    """
+    loaded = load_adapters(adapters)
+    models: dict[ReferenceKey, TinyDecoder] = {}
+    for name, scale in reference_keys([(n, 1.0) for n in loaded] if requests is None else requests):
+        models[(name, scale)] = copy.deepcopy(base).float()
+        if name is not None:
+            _merge(models[(name, scale)], name, loaded[name], scale)
     return models
 
 
-def reference_logits(models: Mapping[str | None, TinyDecoder], ids: torch.Tensor, seq_lens: Sequence[int],
-                     adapters: Sequence[str | None], last_only: bool) -> torch.Tensor:
-    """Logits of a flattened batch, request by request through its adapter's merged
-    model, on the host in fp32: request ``i`` is the next ``seq_lens[i]`` ids of
-    ``ids``; ``last_only`` keeps only each request's last row (LM-head pruning)."""
+def reference_logits(models: Mapping[ReferenceKey, TinyDecoder], ids: torch.Tensor, seq_lens: Sequence[int],
+                     requests: Sequence[tuple[str | None, float]], last_only: bool) -> torch.Tensor:
+    """Logits of a flattened batch, request by request through the merged model of its
+    (adapter, scale) (:func:`reference_key`), on the host in fp32: request ``i`` is the next
+    ``seq_lens[i]`` ids of ``ids``; ``last_only`` keeps only each request's last row (LM-head pruning)."""
     rows, start = [], 0
     with torch.no_grad():
-        for n, name in zip(seq_lens, adapters):
-            logits = models[name](ids[start : start + n].cpu())
+        for n, (name, scale) in zip(seq_lens, requests):
+            logits = models[reference_key(name, scale)](ids[start : start + n].cpu())
             rows.append(logits[-1:] if last_only else logits)
             start += n
     return torch.cat(rows)

@@ -15,8 +15,8 @@ from .run import SimRow
 from lora_core.testing.timing import Spread
 from .workload import Workload
 
-__all__ = ["format_compiled_decode", "format_devices", "format_header", "format_quantization", "format_rows",
-           "format_spread", "to_json", "write_plot"]
+__all__ = ["format_compiled_decode", "format_devices", "format_header", "format_quantization", "format_requests",
+           "format_rows", "format_spread", "to_json", "write_plot"]
 
 
 def format_spread(spread: Spread, fmt: Callable[[float], str]) -> str:
@@ -73,17 +73,27 @@ def format_quantization(config: TinyConfig, quantization: Quantization) -> str:
             "dequantized weights")
 
 
+def format_requests(workload: Workload) -> str:
+    """The "requests" line: each prompt's tokens, adapter and request scale, in order
+    (``17 tok r8 x0.5``; ``base`` for a request on the base model, which has no delta to scale)."""
+    shown = [f"{n} tok {'base' if a is None else f'{a} x{s:g}'}"
+             for n, a, s in zip(workload.prompt_lens, workload.adapters, workload.scales)]
+    return (f"requests (prompt tokens, adapter x request scale): {', '.join(shown)}; "
+            "each decode step rotates them by one request")
+
+
 def format_header(config: TinyConfig, adapters: Sequence[str], workload: Workload, rounds: int,
                   machine: Mapping[str, Any], memory: MemoryEstimate | None = None,
                   quantization: Quantization = QUANTIZATIONS["none"]) -> str:
-    """The lines printed above the table: what was served (the base weights of ``quantization``
-    among it), how it was timed, on what machine, and (given ``memory``) what one adapter slot holds."""
+    """The lines printed above the table: what was served (each request's adapter and scale, the
+    base weights of ``quantization`` among it), how it was timed, on what machine, and (given ``memory``) what one adapter slot holds."""
     gpu = f", {machine['cuda_device']}" if "cuda_device" in machine else ""
     per_slot = [] if memory is None else [f"memory per adapter slot: {memory.per_slot()}"]
     return "\n".join([
         f"lora-sim: model {config.to_dict()}, adapters {list(adapters)}, "
         f"{len(workload.prompt_lens)} prompts of {list(workload.prompt_lens)} tokens, "
         f"{workload.decode_steps} decode steps",
+        format_requests(workload),
         format_quantization(config, quantization),
         f"machine: {machine['cpu']} ({machine['cpu_count']} cores){gpu}, torch {machine['torch']}, "
         f"{machine['threads']} threads, Python {machine['python']}",
@@ -93,8 +103,10 @@ def format_header(config: TinyConfig, adapters: Sequence[str], workload: Workloa
 
 def to_json(config: TinyConfig, workload: Workload, rows: Sequence[SimRow], rounds: int,
             machine: Mapping[str, Any], quantization: Quantization = QUANTIZATIONS["none"]) -> dict[str, Any]:
-    """The full results as a JSON-able document; each timed figure carries its per-round
-    ``samples`` and each row its raw per-round seconds (``details.seconds``). ``quantize`` says
+    """The full results as a JSON-able document; ``workload`` has each prompt's length, adapter
+    (``null``: the base model) and request scale (``prompt_lens``, ``adapters``, ``scales``); each
+    timed figure carries its per-round ``samples`` and each row its raw per-round seconds
+    (``details.seconds``). ``quantize`` says
     what base was served: ``{"name", "describe", "layers"}`` (the ``--quantize`` choice, what its
     layers are, the names of the layers it replaced: none for ``none``); each row repeats the name."""
     layers = [] if quantization.name == "none" else quantized_layer_names(config)

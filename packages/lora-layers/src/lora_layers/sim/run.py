@@ -1,10 +1,10 @@
 """One backend x device row of ``lora-sim``, and the run over all of them.
 
 A row serves the workload through :class:`~lora_layers.MultiLoRA` on one backend
-and device, checks every output against the merged fp32 reference
-(:mod:`.reference`) at the fp32 tolerance of ``lora_core.testing.TOLERANCES``, relative to the
-outputs' magnitude (:class:`~lora_layers.sim.reference.ScaledCheck`)
-(docs/layout.md), and times the model with LoRA against the base model in
+and device, each request at its request scale, checks every output against the fp32
+reference with the request's adapter merged at that scale (:mod:`.reference`) at the
+fp32 tolerance of ``lora_core.testing.TOLERANCES``, relative to the outputs' magnitude
+(:class:`~lora_layers.sim.reference.ScaledCheck`) (docs/layout.md), and times the model with LoRA against the base model in
 interleaved rounds (:mod:`lora_core.testing.timing`).
 """
 
@@ -33,7 +33,7 @@ from lora_core.testing import (
 from ..models import TinyConfig, TinyDecoder
 from .errors import UsageError
 from .quantize import QUANTIZATIONS, Quantization, dequantized_model, quantize_model
-from .reference import ScaledCheck, merged_reference_models, reference_logits
+from .reference import ScaledCheck, merged_reference_models, reference_keys, reference_logits
 from .serving import AdapterSources, build_multilora, load_adapters
 from lora_core.testing.timing import Interleaved, Spread, sync_device
 from .workload import Workload
@@ -45,6 +45,8 @@ ROUNDS = 5
 """Timed rounds per phase (prefill, decode) by default."""
 COMPILE_BACKENDS = ("auto", "inductor", "aot_eager")
 """``--compile-backend`` choices: ``auto`` is :func:`~lora_core.testing.fastest_compile_backend`'s pick."""
+Request = tuple[str | None, float]
+"""A request of the workload: its adapter (``None``: the base model) and its request scale."""
 
 
 def compile_backend_for(choice: str, device_type: str) -> tuple[str, str]:
@@ -158,20 +160,21 @@ def _time_prefill(model: TinyDecoder, base_model: TinyDecoder, ids: torch.Tensor
 
 
 def _time_decode(steps: Mapping[str, Callable[[], torch.Tensor]], step_ids: torch.Tensor, first_ids: torch.Tensor,
-                 set_batch: Callable[[list[str | None]], object], want: Callable[[torch.Tensor, list], torch.Tensor],
-                 adapters: Sequence[str | None], decode_steps: int, rounds: int, sync: Callable[[], None],
+                 set_batch: Callable[[list[Request]], object], want: Callable[[torch.Tensor, list], torch.Tensor],
+                 requests: Sequence[Request], decode_steps: int, rounds: int, sync: Callable[[], None],
                  check: ScaledCheck) -> Interleaved:
     """A warm-up step of each model, then ``rounds`` rounds of ``decode_steps`` greedy
-    steps from ``first_ids`` (written into the static input ``step_ids``), the adapter
-    mix rotated by one request each step; the two models interleaved step by step."""
+    steps from ``first_ids`` (written into the static input ``step_ids``), the (adapter,
+    scale) pairs of ``requests`` rotated by one request each step; the two models
+    interleaved step by step."""
     for fn in steps.values():
         fn()
     timer = Interleaved(["lora", "base"], sync)
     for _ in range(rounds):
         step_ids.copy_(first_ids)
-        rotated = list(adapters)
+        rotated = list(requests)
         for _ in range(decode_steps):
-            rotated = rotated[1:] + rotated[:1]  # a different adapter mix every step
+            rotated = rotated[1:] + rotated[:1]  # a different mix every step
             set_batch(rotated)
             out = timer.round(steps)["lora"]
             check(out, want(step_ids.cpu(), rotated))
@@ -184,12 +187,15 @@ def run_row(backend: str, device_name: str, config: TinyConfig, adapters: Adapte
             compile_backend: str = "auto", quantization: Quantization = QUANTIZATIONS["none"]) -> SimRow:
     """Serve ``workload`` with ``backend`` on device ``device_name`` and check and time it.
 
-    Prefill (eager in every mode), then ``rounds`` rounds of the LoRA and the base
-    model, interleaved. Decode: on graph devices the step is captured (on compile
-    devices compiled) once, with the batch in graph mode; then
-    ``rounds`` rounds of ``workload.decode_steps`` greedy steps from the prefill's
-    tokens, a different adapter mix each step, the LoRA and the base model
-    interleaved step by step. Every timed output is checked. ``compile_backend``: see
+    Every batch gives each request's scale (``workload.scales``), so eager batches apply
+    them and graph mode takes them (``enable_graph(..., scales=True)``). Prefill (eager in
+    every mode), then ``rounds`` rounds of the LoRA and the base model, interleaved. Decode:
+    on graph devices the step is captured (on compile devices compiled) once, with the
+    batch in graph mode; then ``rounds`` rounds of ``workload.decode_steps`` greedy steps
+    from the prefill's tokens, a different mix of (adapter, scale) each step, the LoRA and
+    the base model interleaved step by step. Every timed output is checked against
+    ``references``, which must hold the merged model of every (adapter, scale) of the
+    workload (:func:`~lora_layers.sim.reference.merged_reference_models`). ``compile_backend``: see
     :func:`compile_backend_for`. ``quantization``: the base model's decoder projections are
     quantized on the host (:func:`~lora_layers.sim.quantize.quantize_model`) before it moves to
     the device; ``references`` must then hold its dequantized weights (:func:`run_simulation`); on
@@ -209,29 +215,30 @@ def run_row(backend: str, device_name: str, config: TinyConfig, adapters: Adapte
     mlora = build_multilora(model, config, adapters, backend)
 
     gen = torch.Generator().manual_seed(workload.seed)
-    lens, adapters = list(workload.prompt_lens), list(workload.adapters)
+    lens, adapters, scales = list(workload.prompt_lens), list(workload.adapters), list(workload.scales)
+    requests = workload.requests()
     B = len(lens)
     prompt_ids = torch.randint(0, config.vocab_size, (sum(lens),), generator=gen)
     last_rows = torch.tensor([sum(lens[: i + 1]) - 1 for i in range(B)])
     check = ScaledCheck()
     wanted: dict[tuple, torch.Tensor] = {}  # rounds repeat the same steps: one reference per input
 
-    def want_step(ids: torch.Tensor, mix: list[str | None]) -> torch.Tensor:
+    def want_step(ids: torch.Tensor, mix: list[Request]) -> torch.Tensor:
         key = (tuple(ids.tolist()), tuple(mix))
         if key not in wanted:
             wanted[key] = reference_logits(references, ids, [1] * B, mix, last_only=False)
         return wanted[key]
 
     with torch.no_grad():
-        mlora.set_batch(lens, adapters)
-        want = reference_logits(references, prompt_ids, lens, adapters, last_only=True)
+        mlora.set_batch(lens, adapters, scales)
+        want = reference_logits(references, prompt_ids, lens, requests, last_only=True)
         logits, prefill = _time_prefill(model, base_model, prompt_ids.to(dev), last_rows.to(dev), want, rounds,
                                         sync, check)
         first_ids = logits.argmax(-1)
         step_ids = first_ids.clone()
         if device.is_graph:
-            mlora.enable_graph(B)
-        mlora.set_batch([1] * B, adapters)
+            mlora.enable_graph(B, scales=True)
+        mlora.set_batch([1] * B, adapters, scales)
         launches = count_launches(model, step_ids).ops
         step, verdict, compiled = (lambda: model(step_ids)), "eager", None
         if isinstance(device.device_type, CompileCapture):
@@ -249,7 +256,8 @@ def run_row(backend: str, device_name: str, config: TinyConfig, adapters: Adapte
             step = _replayer(static_out, replay)
             verdict = "safe (strict simulated capture)" if device.simulated else "captured"
         decode = _time_decode({"lora": step, "base": lambda: base_model(step_ids)}, step_ids, first_ids,
-                              lambda mix: mlora.set_batch([1] * B, mix), want_step, adapters,
+                              lambda mix: mlora.set_batch([1] * B, [a for a, _ in mix], [s for _, s in mix]),
+                              want_step, requests,
                               workload.decode_steps, rounds, sync, check)
     mlora.unwrap()
     if compiled is not None:
@@ -270,7 +278,8 @@ def run_simulation(backends: Sequence[str], devices: Sequence[str], config: Tiny
     """One :func:`run_row` per backend x device, in that order; a row that raises
     ``ValueError``/``RuntimeError``/``TypeError`` becomes an ``"error"`` row.
 
-    ``quantization``: every row serves a base quantized with it, and the fp32 references are
+    The fp32 references are one model per (adapter, request scale) of ``workload`` and the
+    unmerged one. ``quantization``: every row serves a base quantized with it, and the references are
     built from that base's dequantized weights (:func:`~lora_layers.sim.quantize.dequantized_model`).
 
     ``progress``: a line on stderr when the fp32 references are built and one per row as
@@ -282,9 +291,9 @@ def run_simulation(backends: Sequence[str], devices: Sequence[str], config: Tiny
     loaded = load_adapters(adapters)  # each adapter read once per run, whatever number of rows
     if say:
         base = "" if quantization.name == "none" else f" from the dequantized {quantization.name} base"
-        say.line(f"building {len(loaded) + 1} fp32 reference models{base}")
+        say.line(f"building {len(reference_keys(workload.requests()))} fp32 reference models{base}")
     references = merged_reference_models(dequantized_model(quantize_model(TinyDecoder(config), quantization)),
-                                         loaded)
+                                         loaded, workload.requests())
     rows = []
     for backend, device_name in jobs:
         if say:
