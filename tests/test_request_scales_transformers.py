@@ -294,6 +294,9 @@ def test_refusals_name_the_request_or_the_option(tmp_path):
         mlora.set_batch([3, 3], ["plain", None], [1.0])
     with pytest.raises(ValueError, match=r"scales must be a list with one scale per row of the route \(2\)"):
         mlora.route(["plain", None], [1.0, 1.0, 1.0]).__enter__()
+    beams = dict(num_beams=2, max_new_tokens=1, do_sample=False)  # two rows a prompt: named by the prompt's index
+    with pytest.raises(ValueError, match=r"scales\[1\] \(request 1\) must be >= 0, got -0\.5"):
+        mlora.generate(input_ids=ids, adapter_names=["plain", None], scales=[1.0, -0.5], **beams)
     mlora.enable_graph(6)
     mlora.set_batch([3, 3], ["plain", None], [1.0, 1.0])  # every scale 1: what a batch without scales applies
     with pytest.raises(ValueError, match=r"built without request scales.*with_scales=True"):
