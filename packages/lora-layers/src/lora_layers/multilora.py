@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from lora_core import AdapterSlots, BatchInfo, LoRABackend, PeftAdapter, get_backend, load_peft_adapter
+from lora_core.batch_requests import validate_scales
 from lora_core.checks import check_device, check_float_dtype
 
 from .batches import BatchCache
@@ -328,7 +329,8 @@ class MultiLoRA:
     def route(self, adapters: Sequence[str | None], scales: Sequence[float] | None = None) -> Iterator[MultiLoRA]:
         """Route the rows of every model call inside the block: row ``i`` of a ``(B, S)``
         input uses ``adapters[i]`` (``None`` or ``"__base__"``: the base model), at
-        ``scales[i]`` when given (as :meth:`set_batch`).
+        ``scales[i]`` when given (as :meth:`set_batch`; checked on entry, a refusal naming
+        the route's entry, whatever number of rows each later covers).
 
         Each call of ``model`` (its forward pre-hook) describes its own batch from its
         input (``input_ids``, the first positional argument, or ``inputs_embeds``; a
@@ -343,7 +345,9 @@ class MultiLoRA:
             with mlora.route(["sql", None, "chat"]):
                 out = model.generate(input_ids, attention_mask=mask, max_new_tokens=8)
         """
-        with self._router.routing(adapters, scales):
+        with self._router.routing(adapters, scales) as names:
+            if scales is not None:  # checked per route entry here, not per row once k beams repeat them
+                validate_scales(scales, len(names))
             yield self
 
     def generate(self, *args: Any, adapter_names: Sequence[str | None], scales: Sequence[float] | None = None,
