@@ -201,9 +201,9 @@ class LoRABackend(abc.ABC):
     ) -> torch.Tensor:
         """DoRA's per-row rescale (lora_core.dora): ``output (T, out)`` (base output plus the
         LoRA delta) updated in place and returned; ``factors (L, out)`` float32, each slot's
-        ``m / ||W + s B A||`` per output feature (1 for a slot without DoRA); ``bias (out,)``
-        the base layer's bias. ``T`` is every token, or with ``pruned`` the LM-head rows
-        (``batch_info.lm_head_view(pruned)``).
+        ``m / ||W + s B A||`` per output feature (1 for a slot without DoRA; at request scale 1:
+        rows at other scales need ``lora_core.dora.scaled_dora``); ``bias (out,)`` the base
+        layer's bias. ``T`` is every token, or with ``pruned`` the LM-head rows (``lm_head_view``).
 
         Semantics::
 
