@@ -14,6 +14,7 @@ import re
 import warnings
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -190,6 +191,42 @@ def test_a_batch_without_scales_launches_what_it_did_before(backend_name):
     assert scaled.matmul_macs == plain.matmul_macs and scaled.host_reads == plain.host_reads
 
 
+@pytest.mark.parametrize("backend_name", BACKENDS)
+def test_the_experts_op_checks_b_against_a_with_request_scales_too(backend_name):
+    """With request scales the fused experts op runs as its halves; A's and B's expert counts are still
+    checked against each other (the halves alone would give the missing experts' pairs no delta)."""
+    gen = torch.Generator().manual_seed(0)
+    a, b = torch.randn(2, 4, 4, 8, generator=gen), torch.randn(2, 2, 6, 4, generator=gen)  # B: 2 experts, A: 4
+    x, ids = torch.randn(3, 2, 8, generator=gen), torch.tensor([[0, 3], [1, 2], [3, 0]])
+    backend = get_backend(backend_name)("cpu")
+    for scales in (None, [0.5, 1.0]):
+        backend.prepare_batch(build_batch_info([2, 1], [0, 1], [4, 2], [1.0, 2.0], device="cpu", scales=scales))
+        with pytest.raises(ValueError, match=r"b_weights must have shape \(2, 4, out, 4\)"):
+            backend.run_experts_lora(x, ids, a, b)
+
+
+def test_scales_as_a_tensor_or_an_array_route_and_reuse_their_cached_batch(tmp_path):
+    """``route`` takes the host sequences ``set_batch`` takes (a CPU tensor, a NumPy array), and an
+    eager batch given scales as a tensor is found in the batch cache by their values."""
+    from lora_core import save_peft_adapter
+    from lora_layers import MultiLoRA, TinyConfig, TinyDecoder
+
+    torch.manual_seed(0)
+    model = TinyDecoder(TinyConfig(vocab_size=32, hidden_size=16, intermediate_size=24, num_hidden_layers=1)).eval()
+    mlora = MultiLoRA(model, ["q_proj"], max_loras=1, max_rank=4)
+    q = model.model.layers[0].self_attn.q_proj
+    mlora.load_adapter("a", save_peft_adapter(tmp_path / "a", {"model.layers.0.self_attn.q_proj": (
+        torch.randn(4, q.in_features), torch.randn(q.out_features, 4))}, r=4, lora_alpha=4))
+    ids = torch.randint(0, 32, (2, 3))
+    outs = []
+    for scales in ([0.5, 0.0], torch.tensor([0.5, 0.0]), np.array([0.5, 0.0])):
+        with mlora.route(["a", "a"], scales), torch.no_grad():
+            outs.append(model(ids))
+    assert all(torch.equal(outs[0], out) for out in outs[1:])
+    first = mlora.set_batch([3, 3], ["a", "a"], torch.tensor([0.5, 0.0]))
+    assert mlora.set_batch([3, 3], ["a", "a"], torch.tensor([0.5, 0.0])) is first
+
+
 @pytest.mark.parametrize("scales, message", [
     ([1.0, -0.5], r"scales\[1\] \(request 1\) must be >= 0, got -0.5"),
     ([float("nan"), 1.0], r"scales\[0\] \(request 0\) must be a finite float, got nan"),
@@ -220,15 +257,15 @@ def test_a_graph_batch_takes_scales_only_when_built_with_them():
 
 
 def test_the_request_scales_benchmark_checks_then_times_every_variant(capsys, tmp_path):
-    """examples/bench_request_scales.py in smoke sizes: its checks pass (no scales equals the code
-    before scales bit for bit; scale 0 equals the base row) and it reports every variant's ratio."""
+    """examples/bench_request_scales.py in smoke sizes: its checks pass (scales of 1 change nothing
+    beyond rounding; scale 0 equals the base row) and it reports every variant's ratio."""
     path = ROOT / "examples" / "bench_request_scales.py"
     spec = importlib.util.spec_from_file_location("example_bench_request_scales", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     assert bench.main(["--smoke", "--json", str(tmp_path / "r.json")]) == 0
     out = capsys.readouterr().out
-    assert re.search(r"^decode \(8 x 1 tokens\), time / before: no scales \d\.\d{3} \(", out, re.M), out
+    assert re.search(r"^decode \(8 x 1 tokens\), time / no scales: scales, all 1 \d\.\d{3} \(", out, re.M), out
     results = json.loads((tmp_path / "r.json").read_text())["results"]
     assert set(results) == {"decode", "prefill"}
     assert all(len(figure["samples"]) == 3 for phase in results.values() for figure in phase.values())

@@ -292,7 +292,7 @@ def test_refusals_name_the_request_or_the_option(tmp_path):
         model(input_ids=ids)
     with pytest.raises(ValueError, match=r"scales must have one entry per request; got 1 for 2 requests"):
         mlora.set_batch([3, 3], ["plain", None], [1.0])
-    with pytest.raises(ValueError, match=r"scales must be a list with one scale per row of the route \(2\)"):
+    with pytest.raises(ValueError, match=r"scales must have one entry per request; got 3 for 2 requests"):
         mlora.route(["plain", None], [1.0, 1.0, 1.0]).__enter__()
     beams = dict(num_beams=2, max_new_tokens=1, do_sample=False)  # two rows a prompt: named by the prompt's index
     with pytest.raises(ValueError, match=r"scales\[1\] \(request 1\) must be >= 0, got -0\.5"):

@@ -89,3 +89,35 @@ def test_a_weight_of_an_unknown_quantization_is_refused():
     with pytest.raises(UnsupportedWeight, match=r"PackedWeight weight: lora-kit dequantizes dense, torchao and "
                                                 r"bitsandbytes 4-bit \(Params4bit\) weights"):
         dense_weight(PackedWeight(torch.zeros(2, 2), requires_grad=False))
+
+
+def test_a_torchao_weight_its_library_cannot_dequantize_is_refused():
+    """torchao 0.18's int4 tensors (``Int4Tensor``, ``Int4TilePackedTo4dTensor``) define no ``dequantize``:
+    ``torch.Tensor.dequantize`` reaches their dispatch, which raises; refused instead of escaping."""
+    utils = pytest.importorskip("torchao.utils", reason="needs torchao (pip install torchao)")
+
+    class PackedInt4(utils.TorchAOBaseTensor):
+        """A torchao tensor type without ``dequantize``, as the int4 ones."""
+        tensor_data_names = ["qdata"]
+        tensor_attribute_names = []
+
+        def __new__(cls, qdata):
+            return torch.Tensor._make_wrapper_subclass(cls, (qdata.shape[0], qdata.shape[1] * 2),
+                                                       dtype=torch.bfloat16, device=qdata.device)
+
+        def __init__(self, qdata):
+            self.qdata = qdata
+
+    PackedInt4.__module__ = "torchao.quantization.fake_int4"
+    with pytest.raises(UnsupportedWeight, match=r"^a torchao\.quantization\.fake_int4\.PackedInt4 weight, which "
+                                                r"torchao does not dequantize$"):
+        dense_weight(PackedInt4(torch.zeros(4, 4, dtype=torch.uint8)))
+
+
+def test_a_bitsandbytes_weight_not_quantized_yet_is_still_dense():
+    """A ``Params4bit`` is quantized when moved to a device; before that its data is the dense weight."""
+    bnb = pytest.importorskip("bitsandbytes", reason="needs bitsandbytes (pip install bitsandbytes)")
+    dense = torch.randn(96, 64, generator=torch.Generator().manual_seed(0))
+    weight = bnb.nn.Params4bit(dense.clone(), requires_grad=False, quant_type="nf4")
+    assert not weight.bnb_quantized
+    assert torch.equal(dense_weight(weight), dense)

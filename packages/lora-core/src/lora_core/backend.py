@@ -18,7 +18,7 @@ from .batch_info import BatchInfo, build_batch_info
 from .checks import check_device
 from .plans import BatchPlan
 from .request_scales import apply_request_scales
-from .validation import check_added_token_inputs, normalize_slice_offsets
+from .validation import check_added_token_inputs, check_experts_lora_inputs, normalize_slice_offsets
 
 __all__ = ["LoRABackend", "BatchInfoBackend"]
 
@@ -371,10 +371,11 @@ class BatchInfoBackend(LoRABackend):
         return self.dora_scale(output, factors, self.batch_info.lm_head_view(pruned), bias)
 
     def run_experts_lora(self, x, expert_ids, a_weights, b_weights, base_output=None) -> torch.Tensor:
-        if self.batch_info.has_request_scales:  # the fused op has no shrink output to scale: its halves
-            return self.run_experts_lora_b(self.run_experts_lora_a(x, expert_ids, a_weights), expert_ids, b_weights,
-                                           base_output)
-        return self.experts_lora(x, expert_ids, a_weights, b_weights, self.batch_info, base_output)
+        if not self.batch_info.has_request_scales:
+            return self.experts_lora(x, expert_ids, a_weights, b_weights, self.batch_info, base_output)
+        check_experts_lora_inputs(x, expert_ids, a_weights, b_weights, self.batch_info, base_output)  # A with B
+        shrunk = self.run_experts_lora_a(x, expert_ids, a_weights)  # the fused op has no shrink output to scale
+        return self.run_experts_lora_b(shrunk, expert_ids, b_weights, base_output)
 
     @abc.abstractmethod
     def experts_lora(self, x: torch.Tensor, expert_ids: torch.Tensor, a_weights: torch.Tensor,

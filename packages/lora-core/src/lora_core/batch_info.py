@@ -198,7 +198,7 @@ class BatchInfo:
 
     @property
     def request_scales(self) -> tuple[float, ...]:
-        """Scale per request, as given to the builder (1.0 each when none was given)."""
+        """Scale per request, in float32 as the ops apply it (1.0 each when none was given)."""
         scales = self._requests.scales
         return (1.0,) * len(self._requests.lens) if scales is None else tuple(scales.tolist())
 

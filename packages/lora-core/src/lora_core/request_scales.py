@@ -19,9 +19,9 @@ __all__ = ["apply_request_scales"]
 
 def apply_request_scales(shrunk: torch.Tensor, batch_info: BatchInfo) -> torch.Tensor:
     """``shrunk (n, ...)``, a shrink's output for the first ``n`` rows of ``batch_info``, with each
-    row multiplied in place by its request's scale (``batch_info.token_scales``, float32: one
-    rounding to ``shrunk``'s dtype) when ``batch_info.has_request_scales``; otherwise returned
-    untouched (no op is launched)."""
+    row multiplied in place by its request's scale (``batch_info.token_scales``, float32; the
+    product rounded once more to ``shrunk``'s dtype) when ``batch_info.has_request_scales``;
+    otherwise returned untouched (no op is launched)."""
     if not batch_info.has_request_scales:
         return shrunk
     scales = batch_info.token_scales[: shrunk.shape[0]]

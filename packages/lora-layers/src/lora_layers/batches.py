@@ -54,7 +54,8 @@ class BatchCache:
         is a plain ``int``; a ``2.0`` would compare equal to ``2`` and is validated
         by ``build_batch_info`` instead)."""
         lens = tuple(seq_lens)
-        key = (lens, tuple(slot_ids), scales if scales is None else tuple(scales)) if are_plain_ints(lens) else None
+        given = None if scales is None else tuple(scales.tolist() if hasattr(scales, "tolist") else scales)
+        key = (lens, tuple(slot_ids), given) if are_plain_ints(lens) else None
         info = self._batches.get(key) if key is not None else None
         if info is not None:
             self._batches.move_to_end(key)

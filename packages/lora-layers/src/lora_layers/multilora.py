@@ -26,7 +26,6 @@ import torch
 from torch import nn
 
 from lora_core import AdapterSlots, BatchInfo, LoRABackend, PeftAdapter, get_backend, load_peft_adapter
-from lora_core.batch_requests import validate_scales
 from lora_core.checks import check_device, check_float_dtype
 
 from .batches import BatchCache
@@ -345,9 +344,7 @@ class MultiLoRA:
             with mlora.route(["sql", None, "chat"]):
                 out = model.generate(input_ids, attention_mask=mask, max_new_tokens=8)
         """
-        with self._router.routing(adapters, scales) as names:
-            if scales is not None:  # checked per route entry here, not per row once k beams repeat them
-                validate_scales(scales, len(names))
+        with self._router.routing(adapters, scales):
             yield self
 
     def generate(self, *args: Any, adapter_names: Sequence[str | None], scales: Sequence[float] | None = None,

@@ -16,6 +16,8 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 from torch import nn
 
+from lora_core.batch_requests import validate_scales
+
 __all__ = ["PEFT_BASE", "Router", "call_layout"]
 
 PEFT_BASE = "__base__"
@@ -84,11 +86,9 @@ class Router:
         """Make ``adapters`` (at ``scales``, one per row, when given) the active route inside the
         block (routes nest); yields it checked."""
         names = self.check(adapters)
-        if scales is not None:
-            if isinstance(scales, str) or not isinstance(scales, Sequence) or len(scales) != len(names):
-                raise ValueError(f"scales must be a list with one scale per row of the route ({len(names)}), "
-                                 f"got {scales!r}")
-            scales = list(scales)
+        if scales is not None:  # checked per route entry here, not per row once k beams repeat them
+            validate_scales(scales, len(names))
+            scales = list(scales.tolist() if hasattr(scales, "tolist") else scales)
         previous = self.active, self.active_scales
         self.active, self.active_scales = names, scales
         try:

@@ -7,12 +7,15 @@ recognises them, by the weight's type, without importing them:
 
 - a plain ``Tensor`` / ``Parameter``: returned as is;
 - torchao (a tensor subclass from ``torchao.*``, e.g. ``Int8Tensor``, ``IntxUnpackedToInt8Tensor``):
-  ``weight.dequantize()``;
-- bitsandbytes 4-bit (``Params4bit``, NF4 or FP4): ``bitsandbytes.functional.dequantize_4bit``.
+  ``weight.dequantize()`` (a subclass that does not implement it, such as 0.18's int4
+  ``Int4TilePackedTo4dTensor``, is refused);
+- bitsandbytes 4-bit (``Params4bit``, NF4 or FP4): ``bitsandbytes.functional.dequantize_4bit``
+  (a ``Params4bit`` not quantized yet, before its move to a device, is still dense).
   On a CPU with AVX512-BF16, bitsandbytes repacks a ``Linear4bit`` weight on its first
   eval-mode forward into a layout of its own (``quant_state.packing_format_for_cpu``) with
   bfloat16 block scales; such a weight is first unpacked, on copies, by bitsandbytes' own
-  inverse, so the values are those the repacked layer computes with.
+  inverse: the values are the repacked layer's up to that inverse's rounding of the block
+  scales (bf16; nested statistics are quantized again).
 
 Anything else is refused with :class:`UnsupportedWeight` rather than read as if it were dense.
 """
@@ -39,10 +42,14 @@ def dense_weight(weight: torch.Tensor) -> torch.Tensor:
     kind = type(weight)
     if kind in (torch.Tensor, nn.Parameter):
         return weight
-    if kind.__module__.startswith("torchao.") and hasattr(weight, "dequantize"):
-        return weight.dequantize()
+    if kind.__module__.startswith("torchao."):
+        try:
+            return weight.dequantize()
+        except NotImplementedError:  # torch.Tensor.dequantize, which the subclass's dispatch does not handle
+            raise UnsupportedWeight(f"a {kind.__module__}.{kind.__name__} weight, which torchao does not "
+                                    "dequantize") from None
     if kind.__name__ == "Params4bit":
-        return _dequantize_bnb_4bit(weight)
+        return _dequantize_bnb_4bit(weight) if getattr(weight, "bnb_quantized", True) else weight.data
     raise UnsupportedWeight(f"a {kind.__module__}.{kind.__name__} weight: lora-kit dequantizes dense, torchao and "
                             "bitsandbytes 4-bit (Params4bit) weights")
 
