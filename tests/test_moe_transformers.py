@@ -190,19 +190,12 @@ def test_graph_mode_captured_with_one_batch_replays_another_as_eager(device, bac
     T = 12
     ids = torch.randint(3, SMALL["vocab_size"], (1, T), generator=torch.Generator().manual_seed(2))
     model, mlora = _served(base, paths, backend)
-    expected = []
-    for batch in batches:  # eager: a fresh batch each
-        mlora.set_batch(*batch)
-        with torch.no_grad():
-            expected.append(model(input_ids=ids, use_cache=False).logits)
-    if device.is_graph:
-        mlora.enable_graph(T)
-    mlora.set_batch(*batches[0])
-    out_a, out_b = device.run_two_batches(lambda i: model(input_ids=i, use_cache=False).logits, [ids],
-                                          lambda: mlora.set_batch(*batches[1]))
+    expected, outs = device.eager_and_replayed(
+        lambda i: model(input_ids=i, use_cache=False).logits, [ids], lambda: mlora.set_batch(*batches[0]),
+        lambda: mlora.set_batch(*batches[1]), lambda: mlora.enable_graph(T))
     rtol, atol = TOLERANCES[torch.float32]
-    torch.testing.assert_close(out_a, expected[0], rtol=rtol, atol=atol)
-    torch.testing.assert_close(out_b, expected[1], rtol=rtol, atol=atol)
+    for got, want in zip(outs, expected):
+        torch.testing.assert_close(got, want, rtol=rtol, atol=atol)
 
 
 def test_load_adapter_later_and_refusals(served, tmp_path):

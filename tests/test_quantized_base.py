@@ -278,17 +278,10 @@ def test_graph_mode_captured_with_one_batch_replays_another_as_eager(device, bac
     ids = torch.randint(3, 128, (1, T), generator=torch.Generator().manual_seed(2))
     model = copy.deepcopy(base)
     mlora = MultiLoRA.from_adapters(model, paths, backend=backend)
-    expected = []
-    for batch in batches:
-        mlora.set_batch(*batch)
-        with torch.no_grad():
-            expected.append(model(input_ids=ids, use_cache=False).logits)
-    if device.is_graph:
-        mlora.enable_graph(T)
-    mlora.set_batch(*batches[0])
-    out_a, out_b = device.run_two_batches(lambda i: model(input_ids=i, use_cache=False).logits, [ids],
-                                          lambda: mlora.set_batch(*batches[1]))
-    for got, want in ((out_a, expected[0]), (out_b, expected[1])):
+    expected, outs = device.eager_and_replayed(
+        lambda i: model(input_ids=i, use_cache=False).logits, [ids], lambda: mlora.set_batch(*batches[0]),
+        lambda: mlora.set_batch(*batches[1]), lambda: mlora.enable_graph(T))
+    for got, want in zip(outs, expected):
         assert ((got - want).abs().max() / want.abs().max()).item() <= 1e-4, kind
 
 

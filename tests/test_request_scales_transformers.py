@@ -229,18 +229,12 @@ def test_graph_mode_captured_with_one_batch_of_scales_replays_another_as_eager_a
     ids = torch.randint(3, base.config.vocab_size, (GRAPH_ROWS, GRAPH_LEN), generator=torch.Generator().manual_seed(2))
     model, mlora = _serve(base, paths, backend, device.torch_device)
     ids_on = ids.to(device.torch_device)
-    eager = []
-    for seq_lens, adapters, scales, _ in batches:
-        mlora.set_batch(seq_lens, adapters, scales)
-        with torch.no_grad():
-            eager.append(model(input_ids=ids_on, use_cache=False).logits.cpu())
-    if device.is_graph:
-        mlora.enable_graph(T, scales=True)
-    mlora.set_batch(*batches[0][:3])
-    outs = device.run_two_batches(lambda i: model(input_ids=i, use_cache=False).logits, [ids_on],
-                                  lambda: mlora.set_batch(*batches[1][:3]))
+    eager, outs = device.eager_and_replayed(
+        lambda i: model(input_ids=i, use_cache=False).logits, [ids_on], lambda: mlora.set_batch(*batches[0][:3]),
+        lambda: mlora.set_batch(*batches[1][:3]), lambda: mlora.enable_graph(T, scales=True))
     rtol, atol = TOLERANCES[torch.float32]
     for out, expected, (*_, rows) in zip(outs, eager, batches, strict=True):
+        expected = expected.cpu()
         torch.testing.assert_close(out.cpu(), expected, rtol=rtol, atol=atol)
         with torch.no_grad():
             want = _peft_rows(base, single, *zip(*rows), lambda m: m(input_ids=ids, use_cache=False).logits)

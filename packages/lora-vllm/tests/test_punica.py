@@ -12,7 +12,6 @@ from __future__ import annotations
 import random
 from types import SimpleNamespace
 
-import numpy as np
 import pytest
 import torch
 

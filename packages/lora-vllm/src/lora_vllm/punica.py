@@ -29,7 +29,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 import torch
 from lora_core import LoRABackend, get_backend
 from vllm.config import CompilationMode, CUDAGraphMode, get_current_vllm_config_or_none

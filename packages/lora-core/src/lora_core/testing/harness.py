@@ -92,6 +92,27 @@ class TestDevice:
         replay()
         return out_a, clone_outputs(out)
 
+    def eager_and_replayed(
+        self, fn: Callable[..., Any], inputs: Sequence[Any], set_batch_a: Callable[[], None],
+        set_batch_b: Callable[[], None], enable_graph: Callable[[], None],
+    ) -> tuple[tuple[Any, Any], tuple[Any, Any]]:
+        """The check of a served model in graph mode: ``((eager_a, eager_b), (out_a, out_b))``.
+
+        ``eager_a`` / ``eager_b`` are ``fn(*inputs)`` run eagerly after ``set_batch_a()`` /
+        ``set_batch_b()`` (what each batch must give); then, on a graph device, ``enable_graph()``
+        switches the model to its preallocated batch, and :meth:`run_two_batches` runs batch A
+        (captured or compiled) and batch B (replayed) in the same buffers.
+        """
+        eager = []
+        for set_batch in (set_batch_a, set_batch_b):
+            set_batch()
+            with torch.no_grad():
+                eager.append(clone_outputs(fn(*inputs)))
+        if self.is_graph:
+            enable_graph()
+        set_batch_a()
+        return (eager[0], eager[1]), self.run_two_batches(fn, inputs, set_batch_b)
+
 
 def make_device(name: str) -> TestDevice:
     """The :class:`TestDevice` for a device parameter (probe it first with ``probe_device``)."""
