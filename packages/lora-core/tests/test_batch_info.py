@@ -88,7 +88,7 @@ def test_refill_is_for_graph_mode_only():
     [
         (dict(seq_lens=[2, -1]), r"seq_lens\[1\] must be an int >= 0, got -1"),
         (dict(seq_lens=[2, 1.5]), r"seq_lens\[1\] must be an int >= 0"),
-        (dict(slot_ids=[0, 2]), r"slot_ids\[1\] must be None, -1 or a slot in \[0, 2\), got 2"),
+        (dict(slot_ids=[0, 2]), r"slot_ids\[1\] must be None, -1, a slot in \[0, 2\) or a weighted mix \{slot: weight\}, got 2"),
         (dict(slot_ids=[0, -2]), r"slot_ids\[1\]"),
         (dict(slot_ids=[0]), "one entry per request; got 2 and 1"),
         (dict(lora_ranks=[2, 9], max_rank=8), r"lora_ranks\[1\] = 9 exceeds max_rank = 8"),

@@ -10,9 +10,11 @@ from .adapters import (
     peft_scaling,
 )
 from .adapter_writer import save_peft_adapter
-from .backend import BatchInfoBackend, LoRABackend
+from .backend import LoRABackend
+from .batch_info_backend import BatchInfoBackend
 from .backend_registry import available_backends, get_backend
-from .batch_info import BatchInfo, build_batch_info
+from .batch_builder import build_batch_info
+from .batch_info import BatchInfo
 from .graphs import is_capturing
 from .layout import AdapterSlots, EmbeddingLoRABuffers, LinearLoRABuffers, slice_offsets_from_widths
 from .plans import BatchPlan

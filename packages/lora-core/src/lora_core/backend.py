@@ -14,13 +14,9 @@ from typing import Sequence
 
 import torch
 
-from .batch_info import BatchInfo, build_batch_info
-from .checks import check_device
-from .plans import BatchPlan
-from .request_scales import apply_request_scales
-from .validation import check_added_token_inputs, check_experts_lora_inputs, normalize_slice_offsets
+from .batch_info import BatchInfo
 
-__all__ = ["LoRABackend", "BatchInfoBackend"]
+__all__ = ["LoRABackend"]
 
 SliceOffsets = Sequence[int] | torch.Tensor
 
@@ -39,6 +35,18 @@ class LoRABackend(abc.ABC):
     docs/layout.md. Tokens of slot -1 and slots of rank 0 get a zero delta, and
     nothing beyond a slot's rank in A or B is ever read. Every ``run_*`` result
     is in the dtype of its input activations.
+
+    Weighted mixes (``BatchInfo.pairs``, :mod:`lora_core.pair_rows`): a batch whose requests mix
+    adapters has ``P`` pair rows beyond its ``T`` token rows, each a (token, further adapter) with
+    its own slot and scale. A shrink (``run_lora_a``, ``run_lora_a_embedding``,
+    ``run_experts_lora_a``) then returns ``T + P`` rows, the token rows first, and an expand takes
+    them and adds each pair row's delta into its token's row::
+
+        shrunk[T + p] = shrink of x[token_p] by pair p's slot and scale
+        out[token_p] += expand of shrunk[T + p] by pair p's slot
+
+    The whole ops (``run_packed``, ``run_lm_head``, ``run_experts_lora``) do both. The
+    added-token rows and the DoRA rescale read each token's first adapter only.
     """
 
     name: str
@@ -270,131 +278,3 @@ class LoRABackend(abc.ABC):
                     out[t, k] += b_weights[slot_t, e, :, :r_t] @ x[t, k, :r_t]
         """
 
-
-class BatchInfoBackend(LoRABackend):
-    """Shared plumbing for backends whose kernels take the batch info explicitly.
-
-    Holds the current batch and builds the kernels' plans in :meth:`prepare_batch`;
-    implements every ``run_*`` method, the packed projections (any number of slices)
-    and the LM head as a shrink followed by an expand, and the added-token rows.
-    Subclasses implement :meth:`plan_types`, :meth:`shrink`, :meth:`expand`,
-    :meth:`embedding_shrink`, :meth:`dora_scale`, :meth:`experts_lora`, :meth:`experts_shrink`
-    and :meth:`experts_expand` (still abstract here).
-
-    Args:
-        device: where batches and weights live.
-        strict_token_ids: out-of-vocabulary ids raise ``ValueError`` naming their
-            positions instead of getting a zero delta (eager calls only: the check
-            reads ids back, so it is skipped while a graph is captured).
-    """
-
-    def __init__(self, device: torch.device | str = "cpu", *, strict_token_ids: bool = False) -> None:
-        self.device = check_device("device", device)
-        self.strict_token_ids = bool(strict_token_ids)
-        self._batch_info: BatchInfo | None = None
-
-    @property
-    def batch_info(self) -> BatchInfo:
-        if self._batch_info is None:
-            raise RuntimeError(
-                f"{type(self).__name__}: no batch is prepared; call MultiLoRA.set_batch(seq_lens, adapters) "
-                "or backend.prepare_batch(batch_info) before running LoRA ops"
-            )
-        return self._batch_info
-
-    def prepare_batch(self, batch_info: BatchInfo) -> None:
-        if not isinstance(batch_info, BatchInfo):
-            raise TypeError(f"batch_info must be a lora_core.BatchInfo, got {type(batch_info).__name__}")
-        for plan_type in self.plan_types(batch_info):
-            batch_info.plan(plan_type)  # the pruned LM-head view gets the same plans
-        self._batch_info = batch_info
-
-    @abc.abstractmethod
-    def plan_types(self, batch_info: BatchInfo) -> Sequence[type[BatchPlan]]:
-        """The plans this backend's kernels read for ``batch_info`` (built by :meth:`prepare_batch`)."""
-
-    @abc.abstractmethod
-    def shrink(self, x: torch.Tensor, weights: torch.Tensor, batch_info: BatchInfo, num_slices: int) -> torch.Tensor:
-        """:meth:`run_lora_a` for an explicit batch."""
-
-    @abc.abstractmethod
-    def expand(self, x: torch.Tensor, weights: torch.Tensor, batch_info: BatchInfo, slice_offsets: SliceOffsets,
-               base_output: torch.Tensor | None) -> torch.Tensor:
-        """:meth:`run_lora_b` for an explicit batch."""
-
-    @abc.abstractmethod
-    def embedding_shrink(self, ids: torch.Tensor, weights: torch.Tensor, batch_info: BatchInfo, vocab_size: int,
-                         extra_embeddings: torch.Tensor | None) -> torch.Tensor:
-        """:meth:`run_lora_a_embedding` for an explicit batch."""
-
-    @abc.abstractmethod
-    def dora_scale(self, output: torch.Tensor, factors: torch.Tensor, batch_info: BatchInfo,
-                   bias: torch.Tensor | None) -> torch.Tensor:
-        """:meth:`run_dora_scale` for an explicit batch."""
-
-    def init_graph_batch_info(self, max_tokens, lora_ranks, scalings, *, with_scales=False) -> BatchInfo:
-        return build_batch_info([max_tokens], [None], lora_ranks, scalings, device=self.device, use_graph=True,
-                                max_tokens=max_tokens, with_scales=with_scales)
-
-    def run_lora_a(self, x: torch.Tensor, weights: torch.Tensor, num_slices: int = 1) -> torch.Tensor:
-        return apply_request_scales(self.shrink(x, weights, self.batch_info, num_slices), self.batch_info)
-
-    def run_lora_b(self, x, weights, slice_offsets, base_output=None) -> torch.Tensor:
-        return self.expand(x, weights, self.batch_info, slice_offsets, base_output)
-
-    def run_lm_head(self, x, a_weights, b_weights, base_output=None, *, pruned: bool) -> torch.Tensor:
-        view = self.batch_info.lm_head_view(pruned)
-        shrunk = apply_request_scales(self.shrink(x, a_weights, view, 1), view)
-        return self.expand(shrunk, b_weights, view, (0, b_weights.shape[1]), base_output)
-
-    def run_lora_a_embedding(self, ids, weights, vocab_size, extra_embeddings=None) -> torch.Tensor:
-        return apply_request_scales(self.embedding_shrink(ids, weights, self.batch_info, vocab_size,
-                                                               extra_embeddings), self.batch_info)
-
-    def run_added_tokens(self, ids, extra_embeddings, vocab_size, base_output, scale=1.0) -> torch.Tensor:
-        check_added_token_inputs(ids, extra_embeddings, self.batch_info, vocab_size, base_output)
-        if extra_embeddings.shape[0] == 0 or extra_embeddings.shape[1] == 0:  # no slot or no added token
-            return base_output
-        slots = self.batch_info.token_slots[: ids.shape[0]]
-        added = ids - vocab_size
-        is_added = (added >= 0) & (added < extra_embeddings.shape[1]) & (slots >= 0)
-        rows = extra_embeddings[slots.clamp(min=0).long(), torch.where(is_added, added, 0).long()]  # (T, D)
-        return base_output.copy_(torch.where(is_added[:, None], rows * scale, base_output))
-
-    def run_packed(self, x, a_weights, b_weights, slice_offsets, base_output=None) -> torch.Tensor:
-        offsets = normalize_slice_offsets(slice_offsets)  # the slice count comes from the call's offsets
-        shrunk = apply_request_scales(self.shrink(x, a_weights, self.batch_info, len(offsets) - 1),
-                                           self.batch_info)
-        return self.expand(shrunk, b_weights, self.batch_info, offsets, base_output)
-
-    def run_dora_scale(self, output, factors, bias=None, *, pruned: bool = False) -> torch.Tensor:
-        return self.dora_scale(output, factors, self.batch_info.lm_head_view(pruned), bias)
-
-    def run_experts_lora(self, x, expert_ids, a_weights, b_weights, base_output=None) -> torch.Tensor:
-        if not self.batch_info.has_request_scales:
-            return self.experts_lora(x, expert_ids, a_weights, b_weights, self.batch_info, base_output)
-        check_experts_lora_inputs(x, expert_ids, a_weights, b_weights, self.batch_info, base_output)  # A with B
-        shrunk = self.run_experts_lora_a(x, expert_ids, a_weights)  # the fused op has no shrink output to scale
-        return self.run_experts_lora_b(shrunk, expert_ids, b_weights, base_output)
-
-    @abc.abstractmethod
-    def experts_lora(self, x: torch.Tensor, expert_ids: torch.Tensor, a_weights: torch.Tensor,
-                     b_weights: torch.Tensor, batch_info: BatchInfo, base_output: torch.Tensor | None) -> torch.Tensor:
-        """:meth:`run_experts_lora` for an explicit batch."""
-
-    def run_experts_lora_a(self, x, expert_ids, a_weights) -> torch.Tensor:
-        return apply_request_scales(self.experts_shrink(x, expert_ids, a_weights, self.batch_info),
-                                         self.batch_info)
-
-    def run_experts_lora_b(self, x, expert_ids, b_weights, base_output=None) -> torch.Tensor:
-        return self.experts_expand(x, expert_ids, b_weights, self.batch_info, base_output)
-
-    @abc.abstractmethod
-    def experts_shrink(self, x: torch.Tensor, expert_ids: torch.Tensor, a_weights: torch.Tensor,
-                       batch_info: BatchInfo) -> torch.Tensor:
-        """:meth:`run_experts_lora_a` for an explicit batch."""
-
-    @abc.abstractmethod
-    def experts_expand(self, x: torch.Tensor, expert_ids: torch.Tensor, b_weights: torch.Tensor,
-                       batch_info: BatchInfo, base_output: torch.Tensor | None) -> torch.Tensor:
-        """:meth:`run_experts_lora_b` for an explicit batch."""

@@ -37,21 +37,15 @@ from typing import Sequence, TypeVar
 import numpy as np
 import torch
 
-from .batch_requests import (
-    MAX_TOKENS,
-    Requests,
-    check_capacity,
-    merge_segments,
-    validate_adapters,
-    validate_requests,
-)
-from .checks import allocating, check_bool, check_device, check_int, is_int
+from .batch_requests import Requests, check_capacity, merge_segments, validate_adapters, validate_requests
+from .checks import allocating, check_bool
 from .graphs import is_capturing
 from .lm_head_rows import LMHeadRows
+from .pair_rows import PairRows, check_pair_capacity
 from .plans import BatchPlan, PlanCache
 from .staging import StagedTensors
 
-__all__ = ["BatchInfo", "build_batch_info"]
+__all__ = ["BatchInfo"]
 
 PlanT = TypeVar("PlanT", bound=BatchPlan)
 
@@ -128,15 +122,18 @@ class BatchInfo:
         capacity: int | None,
         max_rank: int | None = None,
         with_scales: bool = False,
+        pair_capacity: int = 0,
     ) -> None:
         self.device = device
         self.max_rank = max_rank
         self.use_graph = use_graph
         self.capacity = capacity
         self.with_scales = with_scales
+        self.pair_capacity = pair_capacity
         self.num_slots = len(lora_ranks)
         self.plans = PlanCache()
         self._lm_head: LMHeadRows | None = None
+        self._pairs: PairRows | None = None
         self._lora_ranks, self._scalings = lora_ranks, scalings
         self._slot_ranks_scalings: tuple[np.ndarray, np.ndarray] | None = None
         if use_graph:  # adapters and batch are rewritten independently, each in place
@@ -204,10 +201,28 @@ class BatchInfo:
 
     @property
     def has_request_scales(self) -> bool:
-        """Whether the ops apply :attr:`token_scales`: a batch built ``with_scales`` (a graph batch
+        """Whether the ops apply :attr:`token_scales` to the token rows: a batch built ``with_scales`` (a graph batch
         that replays for any scales, or an eager one that keeps one compiled graph), or a batch with
         a scale other than 1. Otherwise every scale is 1 and the ops skip the multiply."""
         return self.with_scales or self._requests.scales is not None
+
+    @property
+    def request_mixes(self) -> tuple[tuple[tuple[int, float], ...], ...]:
+        """Each request's further slots, ``((slot, weight * scale), ...)`` in its mix's order (empty for a
+        request of one slot): the slots beyond :attr:`request_slots`, whose rows are the pair rows."""
+        return self._requests.further_slots()
+
+    @property
+    def pairs(self) -> PairRows | None:
+        """The (token, adapter) pair rows of the batch's weighted mixes (:mod:`lora_core.pair_rows`):
+        present when an eager batch has a mix, and always in a graph-mode batch built with a pair
+        capacity (``max_pairs > max_tokens``); ``None`` otherwise, and the ops run no pair rows."""
+        return self._pairs
+
+    @property
+    def num_pairs(self) -> int:
+        """Pair rows of the current batch's mixes (beyond one row per token; not the graph capacity)."""
+        return self._requests.num_pairs
 
     @property
     def lora_ranks_host(self) -> tuple[int, ...]:
@@ -228,6 +243,8 @@ class BatchInfo:
         plan = self.plans.get(plan_type, self)
         if self._lm_head is not None:
             self._lm_head.view.plan(plan_type)
+        if self._pairs is not None:
+            self._pairs.view.plan(plan_type)
         return plan
 
     @property
@@ -236,13 +253,14 @@ class BatchInfo:
         return self.plans.types
 
     # --------------------------------------------------------------- updates
-    def refill(self, seq_lens: Sequence[int], slot_ids: Sequence[int | None],
+    def refill(self, seq_lens: Sequence[int], slot_ids: Sequence[int | None | dict[int, float]],
                scales: Sequence[float] | None = None) -> None:
         """Describe a new batch by rewriting the preallocated tensors in place (graph mode);
-        ``scales``: one multiplier per request (``None``: 1 each), for a batch built ``with_scales``.
+        ``slot_ids`` and ``scales`` as for ``build_batch_info`` (scales and mixes for a batch built
+        ``with_scales``, mixes up to its pair capacity).
 
-        A rejected batch (bad values, more tokens than ``max_tokens``, scales for a batch built
-        without them) changes nothing.
+        A rejected batch (bad values, more tokens than ``max_tokens``, more pairs than ``max_pairs``,
+        scales for a batch built without them) changes nothing.
         """
         if not self.use_graph:
             raise RuntimeError(
@@ -251,6 +269,7 @@ class BatchInfo:
             )
         requests = validate_requests(seq_lens, slot_ids, self.num_slots, scales)
         check_capacity(requests, self.capacity)
+        check_pair_capacity(requests, self.pair_capacity, self.capacity)
         if requests.scales is not None and not self.with_scales:
             raise ValueError("scales: this graph-mode batch was built without request scales, so its captured ops "
                              "do not apply them; build it with with_scales=True")
@@ -321,6 +340,18 @@ class BatchInfo:
         self._requests, self._num_segments = requests, S
         self._segments = (seg_lens, seg_slots, indptr[:S].astype(np.int64))
         self.plans.batch_changed()
+        self._publish_pairs(requests)
+
+    def _publish_pairs(self, requests: Requests) -> None:
+        """The pair rows of ``requests``' mixes: built for an eager batch that has some, refilled
+        in place (or allocated, the first time) for a graph-mode batch with a pair capacity."""
+        if not self.use_graph:
+            self._pairs = None if requests.mixes is None else PairRows(self, requests, None)
+        elif self.pair_capacity:
+            if self._pairs is None:
+                self._pairs = PairRows(self, requests, self.pair_capacity)
+            else:
+                self._pairs.refill(requests)
 
     def _publish_copy_of(self, batch: BatchInfo) -> None:
         """Graph mode: publish ``batch``'s rows, which are this batch's rows too (a decode step's
@@ -328,73 +359,22 @@ class BatchInfo:
         self._batch.copy_published(batch._batch)
         self._requests = batch._requests.last_tokens()
         self._num_segments, self._segments = batch._num_segments, batch._segments
+        if self._pairs is not None:
+            self._pairs.refill(self._requests)
 
     def _changed(self, *, adapters_changed: bool) -> None:
         """The batch or its adapters were republished: refill the plans, then the LM-head rows."""
         self.plans.refill(self)
+        if adapters_changed and self._pairs is not None:
+            self._pairs.set_adapters(self._lora_ranks, self._scalings)
         if self._lm_head is not None and not self._lm_head.follow(self, adapters_changed=adapters_changed):
             self._lm_head = None
 
     def __repr__(self) -> str:
         mode = f"graph, capacity={self.capacity}" if self.use_graph else "eager"
+        if self.pair_capacity:
+            mode += f", pair capacity={self.pair_capacity}"
         return (
-            f"BatchInfo({mode}, tokens={self.num_real_tokens}, segments={self.num_segments}, "
+            f"BatchInfo({mode}, tokens={self.num_real_tokens}, pairs={self.num_pairs}, segments={self.num_segments}, "
             f"slots={self.num_slots}, device={self.device})"
         )
-
-
-def build_batch_info(
-    seq_lens: Sequence[int],
-    slot_ids: Sequence[int | None],
-    lora_ranks: Sequence[int],
-    scalings: Sequence[float],
-    *,
-    device: torch.device | str,
-    use_graph: bool = False,
-    max_tokens: int | None = None,
-    max_rank: int | None = None,
-    scales: Sequence[float] | None = None,
-    with_scales: bool = False,
-) -> BatchInfo:
-    """Validate a batch description and build its :class:`BatchInfo`.
-
-    Args:
-        seq_lens: tokens per request (ints >= 0); they sum to the token count ``T``.
-        slot_ids: adapter slot per request; ``None`` or ``-1`` means the base model.
-        lora_ranks: rank per slot (``L`` ints, 0 = empty slot), host data.
-        scalings: scaling per slot (``L`` floats, finite in float32), host data.
-        device: where the device tensors live.
-        use_graph: preallocate for ``max_tokens`` and allow :meth:`BatchInfo.refill`.
-        max_tokens: graph-mode capacity (required with ``use_graph``).
-        max_rank: when given, every rank must be <= it (the buffers' ``R``).
-        scales: one multiplier per request (finite, >= 0; ``None``: 1 each), on top of its
-            slot's scaling: the request's delta is ``scales[i] * scalings[slot] * B @ A @ x``,
-            so 0 gives the base model's output. Host data.
-        with_scales: the ops apply request scales even when every scale is 1: required for a graph
-            batch to take scales (its captured ops then replay for any); on an eager batch, it keeps
-            ``torch.compile`` from recompiling when a batch with scales follows one without.
-    """
-    use_graph = check_bool("use_graph", use_graph)
-    with_scales = check_bool("with_scales", with_scales)
-    if max_rank is not None:
-        max_rank = check_int("max_rank", max_rank, minimum=0)
-    if use_graph:
-        if max_tokens is None or not is_int(max_tokens) or not 0 < max_tokens <= MAX_TOKENS:
-            raise ValueError(f"max_tokens must be a positive int <= 2**31 - 1 (token offsets are int32) "
-                             f"with use_graph=True, got {max_tokens!r}")
-        max_tokens = int(max_tokens)
-    elif max_tokens is not None:
-        raise ValueError(f"max_tokens is only meaningful with use_graph=True, got max_tokens = {max_tokens!r}")
-    ranks, slot_scalings = validate_adapters(lora_ranks, scalings, max_rank=max_rank)
-    requests = validate_requests(seq_lens, slot_ids, len(ranks), scales)
-    if use_graph:
-        check_capacity(requests, max_tokens)
-        if requests.scales is not None and not with_scales:
-            raise ValueError("scales: a graph-mode batch applies request scales only when built with "
-                             "with_scales=True (its captured ops must hold the multiply)")
-    device = check_device("device", device)
-    info = BatchInfo(requests, ranks, slot_scalings, device=device, use_graph=use_graph, capacity=max_tokens,
-                     max_rank=max_rank, with_scales=with_scales)
-    if use_graph:
-        info.lm_head_view(pruned=True)  # preallocated now: never built during a capture
-    return info

@@ -1,4 +1,5 @@
-"""A batch description validated at the boundary: tokens, adapter slot and scale per request.
+"""A batch description validated at the boundary: tokens, adapter slot (or weighted mix of
+slots) and scale per request.
 
 :func:`validate_requests` and :func:`validate_adapters` check what a caller hands
 to :func:`lora_core.build_batch_info` (and to ``BatchInfo.refill`` /
@@ -8,6 +9,10 @@ case, are checked with C-level loops; anything else element by element.
 
 :func:`merge_segments` is the one rule that turns requests into segments:
 adjacent non-empty requests on one slot become one segment.
+
+A request may name a weighted mix of slots instead of one slot (:class:`Mixes`): its first
+slot is its slot, at ``scale * weight``, and each further slot gives the batch one more row
+per token of the request, a (token, adapter) pair row (:meth:`Requests.pair_requests`).
 """
 
 from __future__ import annotations
@@ -20,25 +25,38 @@ import torch
 
 from .checks import FLOAT32_MAX, are_plain_ints, check_finite_float, check_int, is_int, plain_int_array
 
-__all__ = ["MAX_TOKENS", "Requests", "check_capacity", "merge_segments", "validate_adapters", "validate_requests",
-           "validate_scales"]
+__all__ = ["MAX_TOKENS", "Mixes", "Requests", "check_capacity", "merge_segments", "validate_adapters",
+           "validate_requests", "validate_scales"]
 
 MAX_TOKENS = 2**31 - 1
 """The most tokens a batch can hold: token and segment offsets are int32 on the device."""
 
 
+class Mixes:
+    """The slots beyond the first of the batch's mixed requests: one entry per (request, further
+    slot), in request order and, within a request, in the mix's order. ``requests``, ``slots``
+    (int64) and ``weights`` (float32: the slot's weight times its request's scale), ``(M,)`` each."""
+
+    __slots__ = ("requests", "slots", "weights")
+
+    def __init__(self, requests: np.ndarray, slots: np.ndarray, weights: np.ndarray) -> None:
+        self.requests, self.slots, self.weights = requests, slots, weights
+
+
 class Requests:
     """A validated batch description: tokens and slot per request (host NumPy int64 arrays),
-    with the shortest and longest request (0 for an empty batch), and each request's scale
-    (float32, the multiplier of its adapter's delta), ``None`` when every scale is 1."""
+    with the shortest and longest request (0 for an empty batch), each request's scale
+    (float32, the multiplier of its adapter's delta), ``None`` when every scale is 1, and the
+    further slots of its mixed requests (:class:`Mixes`), ``None`` when no request has two."""
 
-    __slots__ = ("lens", "slots", "num_tokens", "min_len", "max_len", "scales", "_lens_tuple", "_slots_tuple")
+    __slots__ = ("lens", "slots", "num_tokens", "min_len", "max_len", "scales", "mixes", "_lens_tuple",
+                 "_slots_tuple")
 
     def __init__(self, lens: np.ndarray, slots: np.ndarray, num_tokens: int, min_len: int, max_len: int,
-                 scales: np.ndarray | None = None) -> None:
+                 scales: np.ndarray | None = None, mixes: Mixes | None = None) -> None:
         self.lens, self.slots, self.num_tokens = lens, slots, num_tokens
         self.min_len, self.max_len = min_len, max_len
-        self.scales = scales
+        self.scales, self.mixes = scales, mixes
         self._lens_tuple: tuple[int, ...] | None = None
         self._slots_tuple: tuple[int, ...] | None = None
 
@@ -59,21 +77,62 @@ class Requests:
         """Every non-empty request has one token (decode): the pruned LM-head rows equal the batch."""
         return self.max_len <= 1
 
+    @property
+    def num_pairs(self) -> int:
+        """Pair rows beyond one per token: the further slots' (token, adapter) pairs."""
+        return 0 if self.mixes is None else int(self.lens[self.mixes.requests].sum())
+
     def token_scales(self) -> np.ndarray:
         """``(num_tokens,)`` float32: each token's request scale (1 when none was given)."""
         if self.scales is None:
             return np.ones(self.num_tokens, dtype=np.float32)
         return self.scales if self.min_len == self.max_len == 1 else np.repeat(self.scales, self.lens)
 
+    def further_slots(self) -> tuple[tuple[tuple[int, float], ...], ...]:
+        """Each request's :class:`Mixes` entries, ``((slot, weight), ...)`` (empty for a request of one slot)."""
+        further: list[list[tuple[int, float]]] = [[] for _ in range(len(self.lens))]
+        if self.mixes is not None:
+            mixes = self.mixes
+            for request, slot, weight in zip(mixes.requests.tolist(), mixes.slots.tolist(), mixes.weights.tolist()):
+                further[request].append((slot, weight))
+        return tuple(map(tuple, further))
+
+    def pair_requests(self) -> Requests:
+        """The pair rows as a batch of their own: one request per :class:`Mixes` entry, with its
+        request's tokens, the entry's slot, and the entry's weight as its scale."""
+        if self.mixes is None:
+            return Requests(self.lens[:0], self.slots[:0], 0, 0, 0)
+        lens = self.lens[self.mixes.requests]
+        weights = self.mixes.weights
+        return Requests(lens, self.mixes.slots, int(lens.sum()), int(lens.min()), int(lens.max()),
+                        None if (weights == 1).all() else weights)
+
+    def pair_token_rows(self) -> np.ndarray:
+        """``(num_pairs,)`` int64: the token row each pair row reads its input from and adds its
+        delta to, in the order of :meth:`pair_requests`."""
+        if self.mixes is None:
+            return np.zeros(0, dtype=np.int64)
+        lens = self.lens[self.mixes.requests]
+        request_starts = np.cumsum(self.lens) - self.lens
+        pair_starts = np.cumsum(lens) - lens
+        return np.arange(int(lens.sum()), dtype=np.int64) + np.repeat(
+            request_starts[self.mixes.requests] - pair_starts, lens)
+
     def last_tokens(self) -> Requests:
-        """One single-token request per non-empty request, with its scale: the rows a pruned LM head receives."""
+        """One single-token request per non-empty request, with its scale and mix: the rows a
+        pruned LM head receives."""
         if self.min_len == self.max_len == 1:  # already one token each, none empty
             return self
         keep = self.lens > 0
         slots = self.slots[keep]
         n = int(slots.size)
         scales = None if self.scales is None else self.scales[keep]
-        return Requests(np.ones_like(slots), slots, n, min(n, 1), min(n, 1), scales)
+        mixes = self.mixes
+        if mixes is not None:
+            kept = keep[mixes.requests]
+            renumbered = np.cumsum(keep) - 1
+            mixes = Mixes(renumbered[mixes.requests[kept]], mixes.slots[kept], mixes.weights[kept]) if kept.any() else None
+        return Requests(np.ones_like(slots), slots, n, min(n, 1), min(n, 1), scales, mixes)
 
 
 def merge_segments(requests: Requests) -> tuple[np.ndarray, np.ndarray]:
@@ -91,11 +150,11 @@ def merge_segments(requests: Requests) -> tuple[np.ndarray, np.ndarray]:
     return np.add.reduceat(lens, first), slots[first]
 
 
-def validate_requests(seq_lens: Sequence[int], slot_ids: Sequence[int | None], num_slots: int,
+def validate_requests(seq_lens: Sequence[int], slot_ids: Sequence[int | None | Mix], num_slots: int,
                       scales: Sequence[float] | None = None) -> Requests:
-    """``seq_lens`` (ints >= 0), ``slot_ids`` (``None``, -1 or a slot in ``[0, num_slots)``) and
-    ``scales`` (:func:`validate_scales`), one entry per request, as :class:`Requests`;
-    ``ValueError``/``TypeError`` naming the bad entry."""
+    """``seq_lens`` (ints >= 0), ``slot_ids`` (``None``, -1, a slot in ``[0, num_slots)`` or a weighted
+    mix of slots: :func:`validate_mix`) and ``scales`` (:func:`validate_scales`), one entry per request,
+    as :class:`Requests`; ``ValueError``/``TypeError`` naming the bad entry."""
     lens = _host_values("seq_lens", seq_lens)
     slots = _host_values("slot_ids", slot_ids)
     if len(lens) != len(slots):
@@ -117,11 +176,70 @@ def validate_requests(seq_lens: Sequence[int], slot_ids: Sequence[int | None], n
         slots = [-1 if s is None else s for s in slots]
     slots_array = plain_int_array(slots)
     if slots_array is None or slots_array.min() < -1 or slots_array.max() >= num_slots:
-        for i, s in enumerate(slots):
-            if not is_int(s) or not -1 <= s < num_slots:
-                raise ValueError(f"slot_ids[{i}] must be None, -1 or a slot in [0, {num_slots}), got {s!r}")
-        slots_array = np.array([int(s) for s in slots], dtype=np.int64)
+        return _requests_with_mixes(lens_array, slots, num_slots, total, min_len, max_len, scales)
     return Requests(lens_array, slots_array, total, min_len, max_len, validate_scales(scales, len(lens_array)))
+
+
+Mix = Mapping[int, float] | Sequence[tuple[int, float]]
+"""A weighted mix of adapter slots: ``{slot: weight}``, or ``[(slot, weight), ...]``."""
+
+
+def validate_mix(index: int, mix: object, num_slots: int) -> list[tuple[int, float]]:
+    """Request ``index``'s mix as ``[(slot, weight), ...]`` in its order: at least one slot, each in
+    ``[0, num_slots)`` and named once, each weight finite and ``>= 0`` (in float32).
+    ``ValueError`` naming the request."""
+    name = f"slot_ids[{index}] (request {index})"
+    entries = list(mix.items()) if isinstance(mix, Mapping) else list(mix)
+    if not entries:
+        raise ValueError(f"{name}: a mix must name at least one adapter slot, got {mix!r}")
+    pairs, seen = [], set()
+    for entry in entries:
+        if not isinstance(entry, (tuple, list)) or len(entry) != 2:
+            raise ValueError(f"{name}: a mix is {{slot: weight}} or [(slot, weight), ...], got the entry {entry!r}")
+        slot, weight = entry
+        if not is_int(slot) or not 0 <= slot < num_slots:
+            raise ValueError(f"{name}: a mix names adapter slots in [0, {num_slots}), got {slot!r}")
+        if int(slot) in seen:
+            raise ValueError(f"{name}: slot {int(slot)} is named twice in the mix")
+        seen.add(int(slot))
+        value = check_finite_float(f"{name}: the weight of slot {int(slot)}", weight, float32=True)
+        if value < 0:
+            raise ValueError(f"{name}: the weight of slot {int(slot)} must be >= 0, got {weight!r}")
+        pairs.append((int(slot), value))
+    return pairs
+
+
+def _requests_with_mixes(lens: np.ndarray, slots: Sequence, num_slots: int, total: int, min_len: int,
+                         max_len: int, scales: Sequence[float] | None) -> Requests:
+    """:func:`validate_requests` for ``slot_ids`` that are not all plain slots: each entry checked,
+    naming the bad one; a mix's first slot is its request's slot at ``scale * weight``, each further
+    slot an entry of :class:`Mixes` at ``scale * its weight``."""
+    main, first_weights, mixed = [], [], []
+    for i, entry in enumerate(slots):
+        if entry is None or is_int(entry):
+            if entry is not None and not -1 <= entry < num_slots:
+                raise ValueError(f"slot_ids[{i}] must be None, -1, a slot in [0, {num_slots}) or a weighted mix "
+                                 f"{{slot: weight}}, got {entry!r}")
+            main.append(-1 if entry is None else int(entry))
+            first_weights.append(1.0)
+        elif isinstance(entry, (Mapping, list, tuple)):
+            (slot, weight), *rest = validate_mix(i, entry, num_slots)
+            main.append(slot)
+            first_weights.append(weight)
+            mixed += [(i, s, w) for s, w in rest]
+        else:
+            raise ValueError(f"slot_ids[{i}] must be None, -1, a slot in [0, {num_slots}) or a weighted mix "
+                             f"{{slot: weight}}, got {entry!r}")
+    request_scales = validate_scales(scales, len(lens))
+    base = np.ones(len(lens)) if request_scales is None else request_scales.astype(np.float64)
+    main_scales = base * np.array(first_weights)
+    mixes = None
+    if mixed:
+        requests, mix_slots, weights = (np.array(column) for column in zip(*mixed))
+        mixes = Mixes(requests.astype(np.int64), mix_slots.astype(np.int64),
+                      (weights * base[requests]).astype(np.float32))
+    return Requests(lens, np.array(main, dtype=np.int64), total, min_len, max_len,
+                    None if (main_scales == 1).all() else main_scales.astype(np.float32), mixes)
 
 
 def validate_scales(scales: Sequence[float] | None, num_requests: int) -> np.ndarray | None:

@@ -35,7 +35,8 @@ class LMHeadRows:
     def __init__(self, parent: BatchInfo) -> None:
         view = type(parent)(parent._requests.last_tokens(), parent.lora_ranks_host, parent.scalings_host,
                             device=parent.device, use_graph=parent.use_graph, capacity=parent.capacity,
-                            max_rank=parent.max_rank, with_scales=parent.with_scales)
+                            max_rank=parent.max_rank, with_scales=parent.with_scales,
+                            pair_capacity=parent.pair_capacity)
         for plan_type in parent.plan_types:
             view.plan(plan_type)
         self.view = view

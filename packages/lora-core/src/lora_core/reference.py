@@ -8,6 +8,10 @@ Written for clarity, not speed (docs/layout.md, PEFT's math)::
 
 for each token ``t`` of slot ``l`` with rank ``r`` and request scale ``c_t``
 (``BatchInfo.token_scales``); tokens of slot -1 and slots of rank 0 get a zero delta.
+A request with a weighted mix has its first slot on its token rows and each further slot
+(``BatchInfo.request_mixes``) on a pair row per token, after every token row, in request
+order then mix order: a shrink's output has ``T + P`` rows, and the expand adds each pair
+row's delta to its token (:func:`adapter_rows`).
 Embedding: ``y[t, :r] = c_t * scaling_l * A_l[:r, id]`` when
 ``0 <= id < V + added``, else zero (the OOV policy: never a clamped neighbour).
 
@@ -31,20 +35,43 @@ __all__ = [
     "reference_linear",
     "reference_lm_head",
     "reference_embedding",
-    "tokens_by_slot",
+    "adapter_rows",
+    "num_pair_rows",
     "reference_saved_linear",
 ]
 
 
-def tokens_by_slot(batch_info: BatchInfo, num_rows: int) -> dict[int, torch.Tensor]:
-    """Token indices of each active slot (slot >= 0 and rank > 0) among the first ``num_rows``."""
-    token_slots = batch_info.token_slots_cpu[:num_rows].tolist()
+def adapter_rows(batch_info: BatchInfo, num_tokens: int) -> dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """``slot -> (rows, tokens, scales)`` for each active slot (slot >= 0 and rank > 0) of the first
+    ``num_tokens`` tokens: the shrink output's rows the slot fills, the token each reads and adds to,
+    and each row's request scale. Token rows first (row = token, the request's first slot), then a
+    row per token of each request's further mixed slots, numbered from ``num_tokens`` in request
+    order and mix order (``BatchInfo.request_mixes``)."""
     ranks = batch_info.lora_ranks_host
-    groups: dict[int, list[int]] = {}
-    for t, slot in enumerate(token_slots):
+    groups: dict[int, tuple[list[int], list[int], list[float]]] = {}
+
+    def add(row: int, token: int, slot: int, scale: float) -> None:
         if slot >= 0 and ranks[slot] > 0:
-            groups.setdefault(slot, []).append(t)
-    return {slot: torch.tensor(idx, dtype=torch.long) for slot, idx in groups.items()}
+            rows, tokens, scales = groups.setdefault(slot, ([], [], []))
+            rows.append(row), tokens.append(token), scales.append(scale)
+
+    slots, scales = batch_info.token_slots_cpu[:num_tokens].tolist(), batch_info.token_scales_cpu[:num_tokens].tolist()
+    for t, (slot, scale) in enumerate(zip(slots, scales)):
+        add(t, t, slot, scale)
+    row, start = num_tokens, 0
+    for length, further in zip(batch_info.seq_lens, batch_info.request_mixes):
+        for slot, weight in further:
+            for t in range(start, start + length):
+                add(row, t, slot, weight)
+                row += 1
+        start += length
+    return {slot: (torch.tensor(rows), torch.tensor(tokens), torch.tensor(scales, dtype=torch.float32))
+            for slot, (rows, tokens, scales) in groups.items()}
+
+
+def num_pair_rows(batch_info: BatchInfo) -> int:
+    """The rows a request's further mixed slots add to a shrink's output (:func:`adapter_rows`)."""
+    return sum(length * len(further) for length, further in zip(batch_info.seq_lens, batch_info.request_mixes))
 
 
 def _f32(t: torch.Tensor) -> torch.Tensor:
@@ -52,53 +79,54 @@ def _f32(t: torch.Tensor) -> torch.Tensor:
 
 
 def reference_lora_a(x: torch.Tensor, a: torch.Tensor, batch_info: BatchInfo, num_slices: int = 1) -> torch.Tensor:
-    """Scaled shrink. ``x: (T, in)``, ``a: (L, c*R, in)`` -> ``(T, c*R)`` fp32."""
+    """Scaled shrink. ``x: (T, in)``, ``a: (L, c*R, in)`` -> ``(T + P, c*R)`` fp32 (``P``: the pair
+    rows of the batch's mixes, :func:`adapter_rows`)."""
     xf, af = _f32(x), _f32(a)
     R = a.shape[1] // num_slices
-    out = torch.zeros(x.shape[0], a.shape[1])
-    request_scales = batch_info.token_scales_cpu[: x.shape[0]].float()
-    for slot, idx in tokens_by_slot(batch_info, x.shape[0]).items():
+    out = torch.zeros(x.shape[0] + num_pair_rows(batch_info), a.shape[1])
+    for slot, (rows, tokens, scales) in adapter_rows(batch_info, x.shape[0]).items():
         r, s = batch_info.lora_ranks_host[slot], batch_info.scalings_host[slot]
         for i in range(num_slices):
-            rows = slice(i * R, i * R + r)
-            out[idx, rows] = s * request_scales[idx, None] * (xf[idx] @ af[slot, rows].T)
+            cols = slice(i * R, i * R + r)
+            out[rows, cols] = s * scales[:, None] * (xf[tokens] @ af[slot, cols].T)
     return out
 
 
 def reference_lora_b(
     y: torch.Tensor, b: torch.Tensor, batch_info: BatchInfo, slice_offsets: Sequence[int] | torch.Tensor
 ) -> torch.Tensor:
-    """Expand (no base). ``y: (T, c*R)``, ``b: (L, out_total, R)`` -> delta ``(T, out_total)`` fp32."""
+    """Expand (no base). ``y: (T + P, c*R)`` (:func:`reference_lora_a`), ``b: (L, out_total, R)`` ->
+    delta ``(T, out_total)`` fp32: each row's delta added to its token."""
     yf, bf = _f32(y), _f32(b)
     offsets = normalize_slice_offsets(slice_offsets)
     R = b.shape[2]
-    out = torch.zeros(y.shape[0], b.shape[1])
-    for slot, idx in tokens_by_slot(batch_info, y.shape[0]).items():
+    num_tokens = y.shape[0] - num_pair_rows(batch_info)
+    out = torch.zeros(num_tokens, b.shape[1])
+    for slot, (rows, tokens, _) in adapter_rows(batch_info, num_tokens).items():
         r = batch_info.lora_ranks_host[slot]
         for i in range(len(offsets) - 1):
             cols = slice(offsets[i], offsets[i + 1])
-            out[idx, cols] = yf[idx, i * R : i * R + r] @ bf[slot, cols, :r].T
+            out[:, cols].index_add_(0, tokens, yf[rows, i * R : i * R + r] @ bf[slot, cols, :r].T)
     return out
 
 
 def reference_lora_a_embedding(
     ids: torch.Tensor, a: torch.Tensor, batch_info: BatchInfo, vocab_size: int, num_added_tokens: int = 0
 ) -> torch.Tensor:
-    """Scaled embedding shrink. ``ids: (T,)`` int, ``a: (L, R, V_total)`` -> ``(T, R)`` fp32.
+    """Scaled embedding shrink. ``ids: (T,)`` int, ``a: (L, R, V_total)`` -> ``(T + P, R)`` fp32.
 
     Ids outside ``[0, vocab_size + num_added_tokens)`` get zeros.
     """
     af = _f32(a)
     id_list = ids.detach().cpu().tolist()
     total = vocab_size + num_added_tokens
-    out = torch.zeros(len(id_list), a.shape[1])
-    request_scales = batch_info.token_scales_cpu[: len(id_list)].tolist()
-    for slot, idx in tokens_by_slot(batch_info, len(id_list)).items():
+    out = torch.zeros(len(id_list) + num_pair_rows(batch_info), a.shape[1])
+    for slot, (rows, tokens, scales) in adapter_rows(batch_info, len(id_list)).items():
         r, s = batch_info.lora_ranks_host[slot], batch_info.scalings_host[slot]
-        for t in idx.tolist():
+        for row, t, c in zip(rows.tolist(), tokens.tolist(), scales.tolist()):
             token = id_list[t]
             if 0 <= token < total:
-                out[t, :r] = s * request_scales[t] * af[slot, :r, token]
+                out[row, :r] = s * c * af[slot, :r, token]
     return out
 
 

@@ -20,6 +20,7 @@ from typing import Callable
 import torch
 
 from .batch_info import BatchInfo
+from .reference import adapter_rows, num_pair_rows
 
 __all__ = ["reference_experts_lora_a", "reference_experts_lora_b", "reference_experts_lora", "reference_experts"]
 
@@ -28,47 +29,46 @@ def _f32(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to(device="cpu", dtype=torch.float32)
 
 
-def _pairs_with_delta(expert_ids: torch.Tensor, batch_info: BatchInfo, num_experts: int):
-    """``(t, k, slot, e, r, s)`` of every dispatched pair that gets a delta: a slot ``>= 0`` of rank
-    ``r > 0`` (``s``: its scaling times the token's request scale) and an expert ``e`` in ``[0, E)``."""
-    T, K = expert_ids.shape
-    slots = batch_info.token_slots_cpu[:T].tolist()
-    request_scales = batch_info.token_scales_cpu[:T].tolist()
+def _pairs_with_delta(expert_ids: torch.Tensor, batch_info: BatchInfo, num_experts: int, num_tokens: int):
+    """``(row, t, k, slot, e, r, s)`` of every dispatched pair that gets a delta: a shrink-output row
+    (the token's, or a pair row of a mix's further slot: ``lora_core.reference.adapter_rows``) of a
+    slot ``>= 0`` of rank ``r > 0`` (``s``: its scaling times the row's request scale) and an expert
+    ``e`` in ``[0, E)``."""
     ids = expert_ids.detach().cpu().tolist()
-    for t in range(T):
-        slot = slots[t]
-        if slot < 0 or batch_info.lora_ranks_host[slot] == 0:
-            continue
-        r, s = batch_info.lora_ranks_host[slot], batch_info.scalings_host[slot] * request_scales[t]
-        for k in range(K):
-            if 0 <= ids[t][k] < num_experts:
-                yield t, k, slot, ids[t][k], r, s
+    for slot, (rows, tokens, scales) in adapter_rows(batch_info, num_tokens).items():
+        r = batch_info.lora_ranks_host[slot]
+        for row, t, c in zip(rows.tolist(), tokens.tolist(), scales.tolist()):
+            for k in range(expert_ids.shape[1]):
+                if 0 <= ids[t][k] < num_experts:
+                    yield row, t, k, slot, ids[t][k], r, batch_info.scalings_host[slot] * c
 
 
 def reference_experts_lora_a(x: torch.Tensor, expert_ids: torch.Tensor, a: torch.Tensor,
                              batch_info: BatchInfo) -> torch.Tensor:
-    """Scaled shrink. ``x: (T, K, in)``, ``expert_ids: (T, K)`` int, ``a: (L, E, R, in)`` -> ``(T, K, R)`` fp32::
+    """Scaled shrink. ``x: (T, K, in)``, ``expert_ids: (T, K)`` int, ``a: (L, E, R, in)`` -> ``(T + P, K, R)``
+    fp32 (``P``: the pair rows of the batch's mixes)::
 
-        y[t, k, :r] = s * A_l[e, :r] @ x[t, k]      (zero beyond r, and for pairs without a delta)
+        y[row, k, :r] = s * A_l[e, :r] @ x[t, k]      (zero beyond r, and for pairs without a delta)
     """
     xf, af = _f32(x), _f32(a)
-    out = torch.zeros(*expert_ids.shape, a.shape[2])
-    for t, k, slot, e, r, s in _pairs_with_delta(expert_ids, batch_info, a.shape[1]):
-        out[t, k, :r] = s * (af[slot, e, :r] @ xf[t, k])
+    T = expert_ids.shape[0]
+    out = torch.zeros(T + num_pair_rows(batch_info), expert_ids.shape[1], a.shape[2])
+    for row, t, k, slot, e, r, s in _pairs_with_delta(expert_ids, batch_info, a.shape[1], T):
+        out[row, k, :r] = s * (af[slot, e, :r] @ xf[t, k])
     return out
 
 
 def reference_experts_lora_b(y: torch.Tensor, expert_ids: torch.Tensor, b: torch.Tensor,
                              batch_info: BatchInfo) -> torch.Tensor:
-    """Expand (no base). ``y: (T, K, R)``, ``expert_ids: (T, K)`` int, ``b: (L, E, out, R)`` -> delta
-    ``(T, K, out)`` fp32::
+    """Expand (no base). ``y: (T + P, K, R)``, ``expert_ids: (T, K)`` int, ``b: (L, E, out, R)`` -> delta
+    ``(T, K, out)`` fp32, each row's delta added to its token::
 
-        delta[t, k] = B_l[e, :, :r] @ y[t, k, :r]     (columns of y beyond r are never read)
+        delta[t, k] += B_l[e, :, :r] @ y[row, k, :r]     (columns of y beyond r are never read)
     """
     yf, bf = _f32(y), _f32(b)
     out = torch.zeros(*expert_ids.shape, b.shape[2])
-    for t, k, slot, e, r, _ in _pairs_with_delta(expert_ids, batch_info, b.shape[1]):
-        out[t, k] = bf[slot, e, :, :r] @ yf[t, k, :r]
+    for row, t, k, slot, e, r, _ in _pairs_with_delta(expert_ids, batch_info, b.shape[1], expert_ids.shape[0]):
+        out[t, k] += bf[slot, e, :, :r] @ yf[row, k, :r]
     return out
 
 

@@ -13,7 +13,8 @@ from typing import Sequence
 
 import torch
 
-from ..batch_info import BatchInfo, build_batch_info
+from ..batch_builder import build_batch_info
+from ..batch_info import BatchInfo
 from ..layout import slice_offsets_from_widths
 
 __all__ = [
@@ -22,6 +23,8 @@ __all__ = [
     "assert_close_to_reference",
     "random_requests",
     "random_scales",
+    "random_mix",
+    "count_pairs",
     "random_ranks",
     "fill_linear_garbage",
     "fill_embedding_garbage",
@@ -173,15 +176,32 @@ def make_batch_info(
     scalings: Sequence[float] | None = None,
     scales: Sequence[float] | None = None,
     with_scales: bool = False,
+    max_pairs: int | None = None,
 ) -> BatchInfo:
     """A batch info with distinct per-slot scalings (``0.5 + 0.25 * slot`` by default) and the
-    requests' ``scales``; in graph mode its capacity is exactly ``sum(seq_lens)``."""
+    requests' ``scales``; in graph mode its capacity is exactly ``sum(seq_lens)`` tokens and
+    ``max_pairs`` (default: the batch's own) (token, adapter) pairs."""
     scalings = list(scalings) if scalings is not None else default_scalings(len(lora_ranks))
     total = sum(seq_lens)
+    if use_graph and max_pairs is None:
+        max_pairs = total + count_pairs(seq_lens, slot_ids)
     return build_batch_info(
         seq_lens, slot_ids, lora_ranks, scalings, device=device, use_graph=use_graph,
         max_tokens=total if use_graph else None, scales=scales, with_scales=with_scales,
+        max_pairs=max_pairs if use_graph else None,
     )
+
+
+def count_pairs(seq_lens: Sequence[int], slot_ids: Sequence[object]) -> int:
+    """The pair rows of a batch's weighted mixes: a request's tokens once per slot of its mix beyond the first."""
+    return sum(n * (len(slot) - 1) for n, slot in zip(seq_lens, slot_ids) if isinstance(slot, (dict, list, tuple)))
+
+
+def random_mix(rng: random.Random, num_slots: int) -> dict[int, float] | list[tuple[int, float]]:
+    """A weighted mix of 1 to 3 distinct slots (weights 0, 1 or in (0, 1.5]), as a dict or a list of pairs."""
+    slots = rng.sample(range(num_slots), rng.randint(1, min(3, num_slots)))
+    pairs = [(slot, rng.choice([0.0, 1.0, round(rng.uniform(0.05, 1.5), 3)])) for slot in slots]
+    return dict(pairs) if rng.random() < 0.5 else pairs
 
 
 class BatchPair:
@@ -197,6 +217,8 @@ class BatchPair:
     wrong only when the replayed batch has more (or fewer) segments or adapters than
     the captured one is caught whichever of A and B is the richer.
     :meth:`reference_infos` are eager CPU batch infos of A and B for the reference math.
+    A slot id may be a weighted mix (``{slot: weight}``): then both are built ``with_scales``,
+    and a graph-mode batch holds the pairs of the richer of A and B.
     """
 
     def __init__(
@@ -211,7 +233,9 @@ class BatchPair:
         self.lora_ranks = list(lora_ranks)
         self.scalings = list(scalings) if scalings is not None else default_scalings(len(lora_ranks))
         self.batch_a, self.batch_b = batch_a, batch_b
-        self.with_scales = len(batch_a) > 2 or len(batch_b) > 2
+        self.max_pairs = self.num_tokens + max(count_pairs(*batch_a[:2]), count_pairs(*batch_b[:2]))
+        self.with_scales = len(batch_a) > 2 or len(batch_b) > 2 or self.max_pairs > self.num_tokens or any(
+            isinstance(slot, (dict, list, tuple)) for slot in (*batch_a[1], *batch_b[1]))
 
     @property
     def num_tokens(self) -> int:
@@ -221,7 +245,7 @@ class BatchPair:
         seq_lens, slot_ids, *scales = batch
         return make_batch_info(seq_lens, slot_ids, self.lora_ranks, device=device, use_graph=use_graph,
                                scalings=self.scalings, scales=scales[0] if scales else None,
-                               with_scales=self.with_scales)
+                               with_scales=self.with_scales, max_pairs=self.max_pairs if use_graph else None)
 
     def reference_infos(self) -> tuple[BatchInfo, BatchInfo]:
         return self.build(self.batch_a, "cpu"), self.build(self.batch_b, "cpu")
@@ -257,13 +281,17 @@ def random_scales(rng: random.Random, num_requests: int) -> list[float]:
 
 
 def random_batch_pair(rng: random.Random, num_tokens: int, lora_ranks: Sequence[int], *,
-                      scaled: bool = False) -> BatchPair:
+                      scaled: bool = False, mixed: bool = False) -> BatchPair:
     """Two different random request mixes over ``num_tokens`` tokens; ``scaled``: with random
-    request scales (:func:`random_scales`)."""
+    request scales (:func:`random_scales`); ``mixed``: about a third of the requests with a weighted
+    mix of slots (:func:`random_mix`), and B with more mixed requests than A."""
     a = random_requests(rng, num_tokens, len(lora_ranks))
     b = random_requests(rng, num_tokens, len(lora_ranks))
     while b == a and num_tokens > 1:
         b = random_requests(rng, num_tokens, len(lora_ranks))
+    if mixed:
+        a, b = ((lens, [random_mix(rng, len(lora_ranks)) if rng.random() < share else slot for slot in slots])
+                for (lens, slots), share in ((a, 0.3), (b, 0.5)))
     if scaled:
         a, b = (*a, random_scales(rng, len(a[0]))), (*b, random_scales(rng, len(b[0])))
     return BatchPair(lora_ranks, a, b)

@@ -1,0 +1,190 @@
+"""Shared plumbing for backends whose kernels take the batch info explicitly: the LoRA ops of
+:class:`~lora_core.backend.LoRABackend` as shrinks and expands over a batch's token rows and, in
+a batch with weighted mixes, its (token, adapter) pair rows (:mod:`lora_core.pair_rows`)."""
+
+from __future__ import annotations
+
+import abc
+from typing import Callable, Sequence
+
+import torch
+
+from .backend import LoRABackend, SliceOffsets
+from .batch_builder import build_batch_info
+from .batch_info import BatchInfo
+from .checks import check_device
+from .plans import BatchPlan
+from .request_scales import apply_request_scales
+from .validation import check_added_token_inputs, check_experts_lora_inputs, normalize_slice_offsets
+
+__all__ = ["BatchInfoBackend"]
+
+Shrink = Callable[[BatchInfo, tuple[torch.Tensor, ...]], torch.Tensor]
+Expand = Callable[[BatchInfo, torch.Tensor, tuple[torch.Tensor, ...], torch.Tensor | None], torch.Tensor]
+
+
+def shrink_rows(info: BatchInfo, inputs: tuple[torch.Tensor, ...], shrink: Shrink) -> torch.Tensor:
+    """``shrink(info, inputs)`` (its rows scaled by their request scales) over ``info``'s token rows
+    then, when the batch has pair rows, over the pair rows on the inputs gathered from their token
+    rows: ``(T + P, ...)``, the token rows first."""
+    out = apply_request_scales(shrink(info, inputs), info)
+    pairs = info.pairs
+    if pairs is None:
+        return out
+    gathered = tuple(t.index_select(0, pairs.token_rows) for t in inputs)
+    return torch.cat([out, apply_request_scales(shrink(pairs.view, gathered), pairs.view)])
+
+
+def expand_rows(info: BatchInfo, shrunk: torch.Tensor, inputs: tuple[torch.Tensor, ...], expand: Expand,
+                base_output: torch.Tensor | None) -> torch.Tensor:
+    """``expand(info, rows, inputs, base_output)`` of :func:`shrink_rows`' output: the token rows
+    into ``base_output``; with pair rows, their deltas (on the inputs gathered from their token rows)
+    added into their token rows."""
+    pairs = info.pairs
+    if pairs is None:
+        return expand(info, shrunk, inputs, base_output)
+    num_token_rows = shrunk.shape[0] - pairs.view.num_tokens
+    out = expand(info, shrunk[:num_token_rows], inputs, base_output)
+    gathered = tuple(t.index_select(0, pairs.token_rows) for t in inputs)
+    delta = expand(pairs.view, shrunk[num_token_rows:], gathered, None)
+    return out.index_add_(0, pairs.token_rows, delta.to(out.dtype))
+
+
+class BatchInfoBackend(LoRABackend):
+    """Shared plumbing for backends whose kernels take the batch info explicitly.
+
+    Holds the current batch and builds the kernels' plans in :meth:`prepare_batch`;
+    implements every ``run_*`` method, the packed projections (any number of slices)
+    and the LM head as a shrink followed by an expand, and the added-token rows; applies
+    the request scales to each shrink's output, and runs a batch's pair rows (weighted
+    mixes: :func:`shrink_rows`, :func:`expand_rows`), so that no kernel knows of either.
+    Subclasses implement :meth:`plan_types`, :meth:`shrink`, :meth:`expand`,
+    :meth:`embedding_shrink`, :meth:`dora_scale`, :meth:`experts_lora`, :meth:`experts_shrink`
+    and :meth:`experts_expand` (still abstract here).
+
+    Args:
+        device: where batches and weights live.
+        strict_token_ids: out-of-vocabulary ids raise ``ValueError`` naming their
+            positions instead of getting a zero delta (eager calls only: the check
+            reads ids back, so it is skipped while a graph is captured).
+    """
+
+    def __init__(self, device: torch.device | str = "cpu", *, strict_token_ids: bool = False) -> None:
+        self.device = check_device("device", device)
+        self.strict_token_ids = bool(strict_token_ids)
+        self._batch_info: BatchInfo | None = None
+
+    @property
+    def batch_info(self) -> BatchInfo:
+        if self._batch_info is None:
+            raise RuntimeError(
+                f"{type(self).__name__}: no batch is prepared; call MultiLoRA.set_batch(seq_lens, adapters) "
+                "or backend.prepare_batch(batch_info) before running LoRA ops"
+            )
+        return self._batch_info
+
+    def prepare_batch(self, batch_info: BatchInfo) -> None:
+        if not isinstance(batch_info, BatchInfo):
+            raise TypeError(f"batch_info must be a lora_core.BatchInfo, got {type(batch_info).__name__}")
+        for plan_type in self.plan_types(batch_info):
+            batch_info.plan(plan_type)  # the pruned LM-head view gets the same plans
+        self._batch_info = batch_info
+
+    @abc.abstractmethod
+    def plan_types(self, batch_info: BatchInfo) -> Sequence[type[BatchPlan]]:
+        """The plans this backend's kernels read for ``batch_info`` (built by :meth:`prepare_batch`)."""
+
+    @abc.abstractmethod
+    def shrink(self, x: torch.Tensor, weights: torch.Tensor, batch_info: BatchInfo, num_slices: int) -> torch.Tensor:
+        """:meth:`run_lora_a` for an explicit batch."""
+
+    @abc.abstractmethod
+    def expand(self, x: torch.Tensor, weights: torch.Tensor, batch_info: BatchInfo, slice_offsets: SliceOffsets,
+               base_output: torch.Tensor | None) -> torch.Tensor:
+        """:meth:`run_lora_b` for an explicit batch."""
+
+    @abc.abstractmethod
+    def embedding_shrink(self, ids: torch.Tensor, weights: torch.Tensor, batch_info: BatchInfo, vocab_size: int,
+                         extra_embeddings: torch.Tensor | None) -> torch.Tensor:
+        """:meth:`run_lora_a_embedding` for an explicit batch."""
+
+    @abc.abstractmethod
+    def dora_scale(self, output: torch.Tensor, factors: torch.Tensor, batch_info: BatchInfo,
+                   bias: torch.Tensor | None) -> torch.Tensor:
+        """:meth:`run_dora_scale` for an explicit batch."""
+
+    def init_graph_batch_info(self, max_tokens, lora_ranks, scalings, *, with_scales=False) -> BatchInfo:
+        return build_batch_info([max_tokens], [None], lora_ranks, scalings, device=self.device, use_graph=True,
+                                max_tokens=max_tokens, with_scales=with_scales)
+
+    def run_lora_a(self, x: torch.Tensor, weights: torch.Tensor, num_slices: int = 1) -> torch.Tensor:
+        return self._linear_shrink(self.batch_info, x, weights, num_slices)
+
+    def run_lora_b(self, x, weights, slice_offsets, base_output=None) -> torch.Tensor:
+        return self._linear_expand(self.batch_info, x, weights, slice_offsets, base_output)
+
+    def run_lm_head(self, x, a_weights, b_weights, base_output=None, *, pruned: bool) -> torch.Tensor:
+        view = self.batch_info.lm_head_view(pruned)
+        shrunk = self._linear_shrink(view, x, a_weights, 1)
+        return self._linear_expand(view, shrunk, b_weights, (0, b_weights.shape[1]), base_output)
+
+    def run_lora_a_embedding(self, ids, weights, vocab_size, extra_embeddings=None) -> torch.Tensor:
+        return shrink_rows(self.batch_info, (ids,), lambda info, inputs: self.embedding_shrink(
+            inputs[0], weights, info, vocab_size, extra_embeddings))
+
+    def run_added_tokens(self, ids, extra_embeddings, vocab_size, base_output, scale=1.0) -> torch.Tensor:
+        check_added_token_inputs(ids, extra_embeddings, self.batch_info, vocab_size, base_output)
+        if extra_embeddings.shape[0] == 0 or extra_embeddings.shape[1] == 0:  # no slot or no added token
+            return base_output
+        slots = self.batch_info.token_slots[: ids.shape[0]]
+        added = ids - vocab_size
+        is_added = (added >= 0) & (added < extra_embeddings.shape[1]) & (slots >= 0)
+        rows = extra_embeddings[slots.clamp(min=0).long(), torch.where(is_added, added, 0).long()]  # (T, D)
+        return base_output.copy_(torch.where(is_added[:, None], rows * scale, base_output))
+
+    def run_packed(self, x, a_weights, b_weights, slice_offsets, base_output=None) -> torch.Tensor:
+        offsets = normalize_slice_offsets(slice_offsets)  # the slice count comes from the call's offsets
+        shrunk = self._linear_shrink(self.batch_info, x, a_weights, len(offsets) - 1)
+        return self._linear_expand(self.batch_info, shrunk, b_weights, offsets, base_output)
+
+    def _linear_shrink(self, info: BatchInfo, x: torch.Tensor, weights: torch.Tensor, num_slices: int) -> torch.Tensor:
+        return shrink_rows(info, (x,), lambda rows, inputs: self.shrink(inputs[0], weights, rows, num_slices))
+
+    def _linear_expand(self, info: BatchInfo, x: torch.Tensor, weights: torch.Tensor, slice_offsets: SliceOffsets,
+                       base_output: torch.Tensor | None) -> torch.Tensor:
+        return expand_rows(info, x, (), lambda rows, shrunk, _, out: self.expand(shrunk, weights, rows, slice_offsets,
+                                                                                  out), base_output)
+
+    def run_dora_scale(self, output, factors, bias=None, *, pruned: bool = False) -> torch.Tensor:
+        return self.dora_scale(output, factors, self.batch_info.lm_head_view(pruned), bias)
+
+    def run_experts_lora(self, x, expert_ids, a_weights, b_weights, base_output=None) -> torch.Tensor:
+        info = self.batch_info
+        if not info.has_request_scales and info.pairs is None:
+            return self.experts_lora(x, expert_ids, a_weights, b_weights, info, base_output)
+        check_experts_lora_inputs(x, expert_ids, a_weights, b_weights, info, base_output)  # A with B
+        shrunk = self.run_experts_lora_a(x, expert_ids, a_weights)  # the fused op has no shrink output to scale
+        return self.run_experts_lora_b(shrunk, expert_ids, b_weights, base_output)
+
+    @abc.abstractmethod
+    def experts_lora(self, x: torch.Tensor, expert_ids: torch.Tensor, a_weights: torch.Tensor,
+                     b_weights: torch.Tensor, batch_info: BatchInfo, base_output: torch.Tensor | None) -> torch.Tensor:
+        """:meth:`run_experts_lora` for an explicit batch."""
+
+    def run_experts_lora_a(self, x, expert_ids, a_weights) -> torch.Tensor:
+        return shrink_rows(self.batch_info, (x, expert_ids), lambda info, inputs: self.experts_shrink(
+            inputs[0], inputs[1], a_weights, info))
+
+    def run_experts_lora_b(self, x, expert_ids, b_weights, base_output=None) -> torch.Tensor:
+        return expand_rows(self.batch_info, x, (expert_ids,), lambda info, shrunk, inputs, out: self.experts_expand(
+            shrunk, inputs[0], b_weights, info, out), base_output)
+
+    @abc.abstractmethod
+    def experts_shrink(self, x: torch.Tensor, expert_ids: torch.Tensor, a_weights: torch.Tensor,
+                       batch_info: BatchInfo) -> torch.Tensor:
+        """:meth:`run_experts_lora_a` for an explicit batch."""
+
+    @abc.abstractmethod
+    def experts_expand(self, x: torch.Tensor, expert_ids: torch.Tensor, b_weights: torch.Tensor,
+                       batch_info: BatchInfo, base_output: torch.Tensor | None) -> torch.Tensor:
+        """:meth:`run_experts_lora_b` for an explicit batch."""
