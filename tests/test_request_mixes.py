@@ -212,7 +212,7 @@ def test_bad_mixes_are_refused_naming_the_request(slot_ids, message):
 def test_a_graph_batch_holds_mixes_up_to_its_pair_capacity():
     kwargs = dict(device="cpu", use_graph=True, max_tokens=8, with_scales=True)
     graph = build_batch_info([4], [0], [4, 4], [1.0, 1.0], max_pairs=12, **kwargs)
-    with pytest.raises(ValueError, match=r"^slot_ids\[2\] \(request 2\): its mix brings the batch to 5 \(token, "
+    with pytest.raises(ValueError, match=r"^request 2's mix brings the batch to 5 \(token, "
                                          r"adapter\) pairs beyond one per token, more than this graph batch holds "
                                          r"\(max_pairs - max_tokens = 4\); build it with max_pairs >= 13$"):
         graph.refill([2, 3, 3], [{0: 0.5, 1: 0.5}, 1, [(1, 1.0), (0, 0.25)]])  # 2 + 3 pairs

@@ -66,9 +66,10 @@ class LoRABackend(abc.ABC):
 
     @abc.abstractmethod
     def init_graph_batch_info(self, max_tokens: int, lora_ranks: Sequence[int], scalings: Sequence[float], *,
-                              with_scales: bool = False) -> BatchInfo:
+                              with_scales: bool = False, max_pairs: int | None = None) -> BatchInfo:
         """A graph-mode batch info for up to ``max_tokens`` tokens, all on slot -1, whose tensors
-        later batches refill in place (with request scales when ``with_scales``: build_batch_info)."""
+        later batches refill in place (with request scales when ``with_scales``, and weighted mixes
+        of up to ``max_pairs`` (token, adapter) pairs: build_batch_info)."""
 
     @abc.abstractmethod
     def run_lora_a(self, x: torch.Tensor, weights: torch.Tensor, num_slices: int = 1) -> torch.Tensor:

@@ -113,9 +113,9 @@ class BatchInfoBackend(LoRABackend):
                    bias: torch.Tensor | None) -> torch.Tensor:
         """:meth:`run_dora_scale` for an explicit batch."""
 
-    def init_graph_batch_info(self, max_tokens, lora_ranks, scalings, *, with_scales=False) -> BatchInfo:
+    def init_graph_batch_info(self, max_tokens, lora_ranks, scalings, *, with_scales=False, max_pairs=None) -> BatchInfo:
         return build_batch_info([max_tokens], [None], lora_ranks, scalings, device=self.device, use_graph=True,
-                                max_tokens=max_tokens, with_scales=with_scales)
+                                max_tokens=max_tokens, with_scales=with_scales, max_pairs=max_pairs)
 
     def run_lora_a(self, x: torch.Tensor, weights: torch.Tensor, num_slices: int = 1) -> torch.Tensor:
         return self._linear_shrink(self.batch_info, x, weights, num_slices)

@@ -95,7 +95,7 @@ def check_pair_capacity(requests: Requests, capacity: int, max_tokens: int) -> N
     first = int(np.argmax(totals > capacity))
     request = int(mixes.requests[first])
     raise ValueError(
-        f"slot_ids[{request}] (request {request}): its mix brings the batch to {int(totals[first])} (token, adapter) "
+        f"request {request}'s mix brings the batch to {int(totals[first])} (token, adapter) "
         f"pairs beyond one per token, more than this graph batch holds (max_pairs - max_tokens = {capacity}); "
         f"build it with max_pairs >= {max_tokens + requests.num_pairs}"
     )

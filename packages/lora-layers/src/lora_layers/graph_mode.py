@@ -23,17 +23,20 @@ class GraphMode:
         self.backend = backend
         self.enabled = False
 
-    def enable(self, max_tokens: int, slots: AdapterSlots, *, scales: bool = False) -> BatchInfo:
+    def enable(self, max_tokens: int, slots: AdapterSlots, *, scales: bool = False,
+               max_pairs: int | None = None) -> BatchInfo:
         """Preallocate a batch of ``max_tokens`` rows with ``slots``' ranks and scalings (that
-        takes request scales when ``scales``), hand it to the backend, and switch to refilling it;
-        returns it."""
-        options = {"with_scales": True} if scales else {}  # a backend of its own may not know the option
+        takes request scales when ``scales``, and weighted mixes of up to ``max_pairs`` (token,
+        adapter) pairs, with scales), hand it to the backend, and switch to refilling it; returns it."""
+        options = {"with_scales": True} if scales or max_pairs is not None else {}  # a backend of its own
+        if max_pairs is not None:                                                   # may not know the options
+            options["max_pairs"] = max_pairs
         info = self.backend.init_graph_batch_info(max_tokens, slots.lora_ranks, slots.scalings, **options)
         self.backend.prepare_batch(info)
         self.enabled = True
         return info
 
-    def refill(self, seq_lens: Sequence[int], slot_ids: Sequence[int | None],
+    def refill(self, seq_lens: Sequence[int], slot_ids: Sequence[int | None | tuple[tuple[int, float], ...]],
                scales: Sequence[float] | None = None) -> BatchInfo:
         """Write requests of ``seq_lens`` tokens in slots ``slot_ids`` (``None``: no adapter) at
         request ``scales`` into the preallocated batch, in place; returns it."""

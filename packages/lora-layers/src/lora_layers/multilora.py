@@ -31,6 +31,7 @@ from lora_core.checks import check_device, check_float_dtype
 from .batches import BatchCache
 from .graph_mode import GraphMode
 from .layers import LayerKind, LoRAContext
+from .mixes import AdapterEntry, MixResolver, adapter_names
 from .routing import PEFT_BASE, Router  # noqa: F401  (PEFT_BASE: importable from here as before)
 from .slots import EVICTION_POLICIES, SlotTable, check_eviction  # noqa: F401  (EVICTION_POLICIES: likewise)
 from .targeting import TargetModules, name_parameter_targets, output_embedding_name
@@ -158,7 +159,9 @@ class MultiLoRA:
         self._graph = GraphMode(self.context.backend)
         self._auto_wrap = False
         self._targets.wrap(list(target_modules) + [m for m in modules_to_save if m not in target_modules])
-        self._router = Router(model, self._slot_table.slot_of, self.set_batch)
+        self._unmixable: dict[str, str] = {}
+        self._mixes = MixResolver(self._slot_table.slot_of, self._unmixable.get)
+        self._router = Router(model, self._mixes.resolve, self.set_batch)
 
     @classmethod
     def from_adapters(
@@ -286,8 +289,14 @@ class MultiLoRA:
         if self._auto_wrap:
             self._targets.wrap_for(name, adapter, fixed=self._graph.enabled)
         plan = self._targets.load_plan(name, adapter)
-        return self._slot_table.load(name, adapter, plan, self._targets.wrapped,
-                                     protected=set(self._router.active or ()))
+        slot = self._slot_table.load(name, adapter, plan, self._targets.wrapped,
+                                     protected=set(adapter_names(self._router.active or ())))
+        self._unmixable.pop(name, None)
+        if adapter.use_dora:
+            self._unmixable[name] = "a DoRA adapter's norm is not linear in its delta (use_dora)"
+        elif adapter.saved_modules:
+            self._unmixable[name] = "it replaces whole modules (modules_to_save), which a mix cannot sum"
+        return slot
 
     def unload_adapter(self, name: str) -> None:
         """Free ``name``'s slot (and zero its weights); the modules stay wrapped."""
@@ -300,23 +309,25 @@ class MultiLoRA:
         self._graph.update_adapters(self.slots)
 
     # ------------------------------------------------------------------ batches
-    def set_batch(self, seq_lens: Sequence[int], adapters: Sequence[str | None],
+    def set_batch(self, seq_lens: Sequence[int], adapters: Sequence[AdapterEntry],
                   scales: Sequence[float] | None = None) -> BatchInfo:
         """Describe the next forward pass: tokens per request, each request's adapter
         (``None`` = base model) and, optionally, each request's scale: a multiplier (finite,
         ``>= 0``) of its adapter's delta in every LoRA module its tokens pass through, on top
         of the adapter's own scaling (0: the base model's output; a DoRA adapter is PEFT's scaled
         DoRA adapter: docs/request-scales.md).
+        A request's adapter may be a weighted mix, ``{"math": 0.7, "style": 0.3}``: it gets
+        ``0.7 * delta_math + 0.3 * delta_style`` (:mod:`lora_layers.mixes`, docs/request-mixes.md).
         In graph mode the preallocated batch is refilled in place (scales need
-        ``enable_graph(..., scales=True)``).
+        ``enable_graph(..., scales=True)``, mixes ``max_pairs``).
 
         For a flattened ragged batch; a ``(B, S)`` input of B requests is routed per
         call by :meth:`route`. Eager batches are kept (a few, most recent first), so a
         repeated layout (decode steps) reuses its batch info and plans."""
         if len(seq_lens) != len(adapters):
             raise ValueError(f"seq_lens and adapters must have one entry per request; got {len(seq_lens)} and {len(adapters)}")
-        slot_ids = [None if a is None else self._slot_table.slot_of(a) for a in adapters]
-        self._slot_table.touch(adapters)
+        slot_ids = self._mixes.slot_ids(adapters)
+        self._slot_table.touch(adapter_names(adapters))
         if self._graph.enabled:
             return self._graph.refill(seq_lens, slot_ids, scales)
         info = self._batches.get(seq_lens, slot_ids, self.slots, scales)
@@ -325,11 +336,11 @@ class MultiLoRA:
 
     # ------------------------------------------------------------------ routing
     @contextmanager
-    def route(self, adapters: Sequence[str | None], scales: Sequence[float] | None = None) -> Iterator[MultiLoRA]:
+    def route(self, adapters: Sequence[AdapterEntry], scales: Sequence[float] | None = None) -> Iterator[MultiLoRA]:
         """Route the rows of every model call inside the block: row ``i`` of a ``(B, S)``
-        input uses ``adapters[i]`` (``None`` or ``"__base__"``: the base model), at
-        ``scales[i]`` when given (as :meth:`set_batch`; checked on entry, a refusal naming
-        the route's entry, whatever number of rows each later covers).
+        input uses ``adapters[i]`` (``None`` or ``"__base__"``: the base model; a weighted mix as
+        in :meth:`set_batch`), at ``scales[i]`` when given (as :meth:`set_batch`; checked on entry,
+        a refusal naming the route's entry, whatever number of rows each later covers).
 
         Each call of ``model`` (its forward pre-hook) describes its own batch from its
         input (``input_ids``, the first positional argument, or ``inputs_embeds``; a
@@ -347,7 +358,7 @@ class MultiLoRA:
         with self._router.routing(adapters, scales):
             yield self
 
-    def generate(self, *args: Any, adapter_names: Sequence[str | None], scales: Sequence[float] | None = None,
+    def generate(self, *args: Any, adapter_names: Sequence[AdapterEntry], scales: Sequence[float] | None = None,
                  **kwargs: Any) -> Any:
         """``model.generate(*args, **kwargs)`` with one adapter per input row (PEFT's
         ``generate(..., adapter_names=[...])``), at ``scales`` when given; the same as inside :meth:`route`."""
@@ -355,10 +366,13 @@ class MultiLoRA:
             return self.model.generate(*args, **kwargs)
 
     # --------------------------------------------------------------- graph mode
-    def enable_graph(self, max_tokens: int, *, scales: bool = False) -> BatchInfo:
+    def enable_graph(self, max_tokens: int, *, scales: bool = False, max_pairs: int | None = None) -> BatchInfo:
         """Preallocate a graph-mode batch of ``max_tokens`` rows; afterwards ``set_batch``
         refills it in place so a captured forward replays with new batches. The model
         is then called with exactly ``max_tokens`` rows (padding rows use no adapter).
         ``scales``: batches may give request scales, and a captured forward applies them
-        for any scales (one elementwise product per LoRA module more than without)."""
-        return self._graph.enable(max_tokens, self.slots, scales=scales)
+        for any scales (one elementwise product per LoRA module more than without).
+        ``max_pairs``: batches may have weighted mixes of up to ``max_pairs`` (token, adapter)
+        pairs in all (a token per adapter of its request; implies ``scales``): every LoRA op of
+        a captured forward runs over ``max_pairs`` rows, whatever the batch."""
+        return self._graph.enable(max_tokens, self.slots, scales=scales, max_pairs=max_pairs)

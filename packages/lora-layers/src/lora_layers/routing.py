@@ -51,15 +51,16 @@ class Router:
 
     Args:
         model: the model whose calls are routed (the hook is registered here).
-        check_adapter: raises ``ValueError`` for a name that is not loaded.
+        check_entry: ``check_entry(index, entry)`` raises ``ValueError`` / ``TypeError`` for a route
+            entry that is not a loaded adapter's name or a valid weighted mix of loaded adapters.
         set_batch: ``set_batch(seq_lens, adapters, scales)``, which makes a call's batch current.
     """
 
-    def __init__(self, model: nn.Module, check_adapter: Callable[[str], Any],
-                 set_batch: Callable[[list[int], list[str | None], list[float] | None], Any]) -> None:
-        self.active: list[str | None] | None = None
+    def __init__(self, model: nn.Module, check_entry: Callable[[int, Any], Any],
+                 set_batch: Callable[[list[int], list[Any], list[float] | None], Any]) -> None:
+        self.active: list[Any] | None = None
         self.active_scales: list[float] | None = None
-        self._check_adapter = check_adapter
+        self._check_entry = check_entry
         self._set_batch = set_batch
         self._hook = model.register_forward_pre_hook(self.pre_forward, with_kwargs=True)
 
@@ -67,22 +68,21 @@ class Router:
         """Remove the hook: model calls are no longer routed."""
         self._hook.remove()
 
-    def check(self, adapters: Sequence[str | None]) -> list[str | None]:
+    def check(self, adapters: Sequence[Any]) -> list[Any]:
         """``adapters`` as a route: a list with ``None`` for ``None`` / ``"__base__"``;
-        ``TypeError`` / ``ValueError`` for a non-list, an empty one, or an unknown name."""
+        ``TypeError`` / ``ValueError`` for a non-list, an empty one, an unknown name or a bad mix."""
         if isinstance(adapters, str) or not isinstance(adapters, Sequence):
             raise TypeError(f"adapters must be a list with one adapter name (or None) per row, got {adapters!r}")
-        names = [None if a is None or a == PEFT_BASE else a for a in adapters]
+        names = [None if a is None or (isinstance(a, str) and a == PEFT_BASE) else a for a in adapters]
         if not names:
             raise ValueError("a route needs one adapter name (or None) per row; got none")
-        for a in names:
+        for i, a in enumerate(names):
             if a is not None:
-                self._check_adapter(a)  # an unknown name raises here, naming the loaded ones
+                self._check_entry(i, a)  # an unknown name raises here, naming the loaded ones
         return names
 
     @contextmanager
-    def routing(self, adapters: Sequence[str | None],
-                scales: Sequence[float] | None = None) -> Iterator[list[str | None]]:
+    def routing(self, adapters: Sequence[Any], scales: Sequence[float] | None = None) -> Iterator[list[Any]]:
         """Make ``adapters`` (at ``scales``, one per row, when given) the active route inside the
         block (routes nest); yields it checked."""
         names = self.check(adapters)
