@@ -18,11 +18,12 @@ batch B (other mixes, scales and split) and ``torch.compile`` without a recompil
 parameter, and the refusals (a mix with a DoRA or ``modules_to_save`` adapter, an unknown or
 repeated name, a bad weight, more pairs than the graph batch holds).
 
-A Mixtral's experts are not in PEFT's oracle: PEFT 0.21 refuses to hold two adapters whose
-``target_parameters`` differ in one model ("all adapters must target the same set of parameters"),
-so ``add_weighted_adapter`` cannot be built for them. Its mixes are checked against the sum of
-PEFT's single-adapter deltas at the experts module (``test_a_mixtral_experts_mix_is_the_weighted_sum_of_each_adapters_module_delta``),
-and the experts op against the reference math on every device parameter (tests/test_request_mixes.py).
+A Mixtral's experts (``target_parameters``) are not in PEFT's ``cat`` oracle: PEFT 0.21 refuses to
+hold two adapters whose ``target_parameters`` differ in one model ("all adapters must target the same
+set of parameters"). Their mixes are checked against the base model with each adapter's PEFT
+``merge_and_unload()`` weights added at its weight (``W + sum_i w_i * (M_i - W)``: every delta is
+linear in its adapter's factors), and the experts op against the reference math, captured, replayed
+and compiled, on every device parameter (tests/test_request_mixes.py).
 """
 
 import copy
@@ -246,3 +247,49 @@ def test_refusals_name_the_request_and_the_adapter(tmp_path):
                                          r"pairs beyond one per token, more than this graph batch holds \(max_pairs - "
                                          r"max_tokens = 2\); build it with max_pairs >= 12"):
         mlora.set_batch([2, 4], [{"plain": 0.5, "other": 0.5}, {"other": 1.0, "plain": 1.0}])
+
+
+# ------------------------------------------------------------------ experts (Mixtral)
+def _merged_mix(base, merged, mix):
+    """The base model with the weights ``W + sum_i w_i * (M_i - W)``: ``mix`` is ``{name: weight}``
+    (weights at the request's scale) and ``M_i`` adapter ``i``'s PEFT ``merge_and_unload()`` weights.
+    Every delta is linear in its adapter's factors, so this is the mix's model (PEFT cannot build
+    ``add_weighted_adapter`` for adapters whose ``target_parameters`` differ)."""
+    state = {key: value.clone() for key, value in base.state_dict().items()}
+    for name, weight in mix.items():
+        for key, value in merged[name].items():
+            state[key] += weight * (value - base.state_dict()[key])
+    model = copy.deepcopy(base)
+    model.load_state_dict(state)
+    return model
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_mixtral_experts_mix_equals_the_base_model_with_its_adapters_merged_at_their_weights(backend, tmp_path):
+    """Adapters on a Mixtral's fused experts (``target_parameters``, other ranks, rsLoRA, ``alpha_pattern``)
+    mixed with each other: each row's logits against the base model with the row's adapters merged by
+    PEFT (``merge_and_unload``) at their weights times the row's scale, summed."""
+    moe = scaled.moe
+    base = moe._base_model("mixtral")
+    for name in moe.ADAPTERS:
+        moe._save_adapter("mixtral", base, name, tmp_path / name)
+    paths = {name: tmp_path / name for name in moe.ADAPTERS}
+    merged = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for name, path in paths.items():
+            merged[name] = peft.PeftModel.from_pretrained(copy.deepcopy(base), str(path)).merge_and_unload().state_dict()
+    model, mlora = scaled._serve(base, paths, backend)
+    route = [{"sql": 0.7, "chat": 0.3}, "math", None, [("chat", 1.2), ("math", 0.5), ("sql", 0.4)]]
+    scales = [1.0, 0.5, 1.0, 0.8]
+    ids, mask = scaled._inputs(base, rows=4)
+    with torch.no_grad(), mlora.route(route, scales):
+        got = model(input_ids=ids, attention_mask=mask).logits
+    for row, (entry, scale) in enumerate(zip(route, scales)):
+        names, weights = _weighted(entry, scale) if entry is not None else ((), ())
+        with torch.no_grad():
+            want = _merged_mix(base, merged, dict(zip(names, weights)))(input_ids=ids, attention_mask=mask).logits
+        assert scaled._rel(got[row], want[row]) <= 1e-4, (row, entry)
+    with torch.no_grad():
+        first_only = _merged_mix(base, merged, {"sql": 0.7})(input_ids=ids, attention_mask=mask).logits
+    assert scaled._rel(got[0], first_only[0]) > 1e-3  # the oracle tells the mix from its first adapter
