@@ -50,6 +50,8 @@ RUN_BLOCKS = {
         "test_the_graph_simulator_sketch_runs",
     ("docs/request-scales.md", 'mlora.set_batch([5, 3, 4], ["style", "style", None], scales=[0.3, 1.0, 1.0])'):
         "tests/test_request_scales.py::test_the_example_of_request_scales_md_runs",
+    ("docs/request-mixes.md", 'mlora.set_batch([5, 3, 4], [{"math": 0.7, "style": 0.3}, "style", None])'):
+        "tests/test_request_mixes_transformers.py::test_the_example_of_request_mixes_md_runs",
 }
 """Every ```python block of README.md and docs/*.md, by its file and first line, and the test that runs it."""
 

@@ -10,7 +10,11 @@ the reverse, the compile device runs B on the code compiled for A. The reference
 device layout.
 """
 
+import importlib.util
+import json
 import random
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -168,8 +172,11 @@ def test_a_mix_equals_the_sum_of_its_adapters_run_one_by_one(backend_name):
 
 
 @pytest.mark.parametrize("backend_name", BACKENDS)
-def test_a_batch_without_mixes_launches_nothing_for_pairs_and_a_mix_runs_only_its_pairs(backend_name):
-    """No pair rows, no pair ops; a mix's extra matrix products are its pairs' and no more."""
+def test_a_mix_runs_the_matrix_products_of_its_pair_rows_as_requests_and_a_batch_without_mixes_none(backend_name):
+    """A batch without mixes (a one-slot mix included) launches what it did. A mixed batch runs each
+    kernel once over its token rows and pair rows: the matrix products of the same rows served as
+    requests of their own (not every adapter on every token), plus a gather of the inputs and a
+    scatter-add of the deltas, and no host read."""
     gen = torch.Generator().manual_seed(0)
     ranks = [4, 8, 0]
     a, b, offsets = random_linear_weights(gen, num_slots=3, max_rank=8, in_features=16, slice_widths=[12, 8],
@@ -177,19 +184,19 @@ def test_a_batch_without_mixes_launches_nothing_for_pairs_and_a_mix_runs_only_it
     x, base = torch.randn(9, 16, generator=gen), torch.randn(9, 20, generator=gen)
     backend = get_backend(backend_name)("cpu")
 
-    def launches(slot_ids, scales=None):
-        backend.prepare_batch(build_batch_info([3, 2, 4], slot_ids, ranks, [2.0, 0.5, 1.0], device="cpu",
+    def launches(seq_lens, slot_ids, x, base, scales=None):
+        backend.prepare_batch(build_batch_info(seq_lens, slot_ids, ranks, [2.0, 0.5, 1.0], device="cpu",
                                                scales=scales))
         return count_launches(lambda: backend.run_packed(x, a, b, offsets, base.clone()))
 
-    plain, one_slot_mix = launches([0, 1, None]), launches([{0: 1.0}, 1, None])
+    plain = launches([3, 2, 4], [0, 1, None], x, base)
+    one_slot_mix = launches([3, 2, 4], [{0: 1.0}, 1, None], x, base)
     assert one_slot_mix.ops == plain.ops and one_slot_mix.by_op == plain.by_op
-    scaled = launches([0, 1, None], [0.5, 1.0, 1.0])
-    mixed = launches([{0: 0.5, 1: 1.0}, 1, None])  # 3 pair rows of slot 1
-    assert mixed.host_reads == plain.host_reads
-    alone = launches([None, None, 1], None)  # only slot 1's 4 tokens
-    assert mixed.matmul_macs - scaled.matmul_macs <= alone.matmul_macs * 3 / 4 + 1e-9
-    assert mixed.matmul_macs > scaled.matmul_macs
+    mixed = launches([3, 2, 4], [{0: 0.5, 1: 1.0}, 1, None], x, base)  # 3 pair rows of slot 1
+    as_requests = launches([3, 2, 4, 3], [0, 1, None, 1], torch.cat([x, x[:3]]), torch.cat([base, base[:3]]),
+                           [0.5, 1.0, 1.0, 1.0])
+    assert mixed.matmul_macs == as_requests.matmul_macs > plain.matmul_macs
+    assert mixed.ops <= as_requests.ops + 3 and mixed.host_reads == plain.host_reads == 0
 
 
 @pytest.mark.parametrize("slot_ids, message", [
@@ -219,8 +226,10 @@ def test_a_graph_batch_holds_mixes_up_to_its_pair_capacity():
     assert graph.request_mixes == ((),) and graph.request_slots == (0,)  # the rejected refill changed nothing
     graph.refill([2, 3, 3], [{0: 0.5, 1: 0.5}, 1, {1: 1.0}])
     assert graph.request_mixes == (((1, 0.5),), (), ())
-    assert graph.pairs.token_rows_cpu.tolist() == [0, 1, 0, 0]
-    assert graph.pairs.view.token_slots_cpu.tolist() == [1, 1, -1, -1]
+    rows = graph.pairs  # the 8 token rows, the 2 pair rows, 2 rows of padding
+    assert rows.token_rows_cpu.tolist() == [*range(8), 0, 1, 0, 0]
+    assert rows.view.token_slots_cpu.tolist() == [0, 0, 1, 1, 1, 1, 1, 1, 1, 1, -1, -1]
+    assert rows.view.token_scales_cpu.tolist() == [0.5, 0.5, 1, 1, 1, 1, 1, 1, 0.5, 0.5, 0, 0]
     with pytest.raises(ValueError, match=r"^max_pairs = 12: a graph-mode batch holds weighted mixes only when built "
                                          r"with with_scales=True"):
         build_batch_info([4], [0], [4], [1.0], device="cpu", use_graph=True, max_tokens=8, max_pairs=12)
@@ -228,3 +237,19 @@ def test_a_graph_batch_holds_mixes_up_to_its_pair_capacity():
         build_batch_info([4], [0], [4], [1.0], max_pairs=7, **kwargs)
     with pytest.raises(ValueError, match=r"^max_pairs is only meaningful with use_graph=True"):
         build_batch_info([4], [0], [4], [1.0], device="cpu", max_pairs=7)
+
+
+def test_the_request_mixes_benchmark_checks_then_times_both_backends(capsys, tmp_path):
+    """examples/bench_request_mixes.py in smoke sizes: its checks pass (rows without a mix unchanged by the
+    mixes beside them, mixed rows not their first adapter's) and it reports each ratio with its bound."""
+    path = Path(__file__).resolve().parents[1] / "examples" / "bench_request_mixes.py"
+    spec = importlib.util.spec_from_file_location("example_bench_request_mixes", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--smoke", "--json", str(tmp_path / "r.json")]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^ascend, decode \(8 x 1 tokens\), a quarter mixed / one adapter each: \d\.\d{3} \(.*; "
+                     r"bound 1\.\d{3}$", out, re.M), out
+    results = json.loads((tmp_path / "r.json").read_text())["results"]
+    assert set(results) == {f"{b}/{p}" for b in ("torch_native", "ascend") for p in ("decode", "prefill")}
+    assert all(len(r["ratio"]["samples"]) == 3 and 1.1 < r["bound"] < 2 for r in results.values())

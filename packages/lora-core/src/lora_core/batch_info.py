@@ -349,7 +349,7 @@ class BatchInfo:
             self._pairs = None if requests.mixes is None else PairRows(self, requests, None)
         elif self.pair_capacity:
             if self._pairs is None:
-                self._pairs = PairRows(self, requests, self.pair_capacity)
+                self._pairs = PairRows(self, requests, self.capacity + self.pair_capacity)
             else:
                 self._pairs.refill(requests)
 

@@ -24,30 +24,29 @@ Expand = Callable[[BatchInfo, torch.Tensor, tuple[torch.Tensor, ...], torch.Tens
 
 
 def shrink_rows(info: BatchInfo, inputs: tuple[torch.Tensor, ...], shrink: Shrink) -> torch.Tensor:
-    """``shrink(info, inputs)`` (its rows scaled by their request scales) over ``info``'s token rows
-    then, when the batch has pair rows, over the pair rows on the inputs gathered from their token
-    rows: ``(T + P, ...)``, the token rows first."""
-    out = apply_request_scales(shrink(info, inputs), info)
+    """``shrink(batch, inputs)``, its rows scaled by their request scales: over ``info``'s token rows
+    or, when the batch has pair rows (weighted mixes), over its rows with pair rows
+    (:mod:`lora_core.pair_rows`), on the inputs gathered by their token rows: ``(T + P, ...)``."""
     pairs = info.pairs
     if pairs is None:
-        return out
+        return apply_request_scales(shrink(info, inputs), info)
     gathered = tuple(t.index_select(0, pairs.token_rows) for t in inputs)
-    return torch.cat([out, apply_request_scales(shrink(pairs.view, gathered), pairs.view)])
+    return apply_request_scales(shrink(pairs.view, gathered), pairs.view)
 
 
 def expand_rows(info: BatchInfo, shrunk: torch.Tensor, inputs: tuple[torch.Tensor, ...], expand: Expand,
                 base_output: torch.Tensor | None) -> torch.Tensor:
-    """``expand(info, rows, inputs, base_output)`` of :func:`shrink_rows`' output: the token rows
-    into ``base_output``; with pair rows, their deltas (on the inputs gathered from their token rows)
-    added into their token rows."""
+    """``expand(batch, shrunk, inputs, base_output)`` of :func:`shrink_rows`' output into ``base_output``
+    (``(T, ...)``; zeros when ``None``): with pair rows, every row's delta (on the inputs gathered by its
+    token row) added into its token's row."""
     pairs = info.pairs
     if pairs is None:
         return expand(info, shrunk, inputs, base_output)
-    num_token_rows = shrunk.shape[0] - pairs.view.num_tokens
-    out = expand(info, shrunk[:num_token_rows], inputs, base_output)
     gathered = tuple(t.index_select(0, pairs.token_rows) for t in inputs)
-    delta = expand(pairs.view, shrunk[num_token_rows:], gathered, None)
-    return out.index_add_(0, pairs.token_rows, delta.to(out.dtype))
+    delta = expand(pairs.view, shrunk, gathered, None)
+    if base_output is None:
+        base_output = delta.new_zeros(info.num_tokens, *delta.shape[1:])
+    return base_output.index_add_(0, pairs.token_rows, delta.to(base_output.dtype))
 
 
 class BatchInfoBackend(LoRABackend):

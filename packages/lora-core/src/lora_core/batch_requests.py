@@ -97,26 +97,32 @@ class Requests:
                 further[request].append((slot, weight))
         return tuple(map(tuple, further))
 
-    def pair_requests(self) -> Requests:
-        """The pair rows as a batch of their own: one request per :class:`Mixes` entry, with its
-        request's tokens, the entry's slot, and the entry's weight as its scale."""
-        if self.mixes is None:
-            return Requests(self.lens[:0], self.slots[:0], 0, 0, 0)
-        lens = self.lens[self.mixes.requests]
-        weights = self.mixes.weights
-        return Requests(lens, self.mixes.slots, int(lens.sum()), int(lens.min()), int(lens.max()),
-                        None if (weights == 1).all() else weights)
+    def with_pair_rows(self) -> Requests:
+        """The batch with its pair rows: these requests (their first slots, at their scales), then one
+        request per :class:`Mixes` entry, with its request's tokens, the entry's slot, and the entry's
+        weight as its scale. Its rows are the token rows, then the pair rows."""
+        mixes = self.mixes
+        if mixes is None:
+            return self
+        lens = np.concatenate([self.lens, self.lens[mixes.requests]])
+        scales = np.concatenate([np.ones(len(self.lens), np.float32) if self.scales is None else self.scales,
+                                 mixes.weights])
+        return Requests(lens, np.concatenate([self.slots, mixes.slots]), self.num_tokens + self.num_pairs,
+                        self.min_len, self.max_len,
+                        None if (scales == 1).all() else scales)
 
     def pair_token_rows(self) -> np.ndarray:
-        """``(num_pairs,)`` int64: the token row each pair row reads its input from and adds its
-        delta to, in the order of :meth:`pair_requests`."""
+        """``(num_tokens + num_pairs,)`` int64: the token row each row of :meth:`with_pair_rows` reads its
+        input from and adds its delta to (a token row: itself)."""
+        rows = np.arange(self.num_tokens, dtype=np.int64)
         if self.mixes is None:
-            return np.zeros(0, dtype=np.int64)
+            return rows
         lens = self.lens[self.mixes.requests]
         request_starts = np.cumsum(self.lens) - self.lens
         pair_starts = np.cumsum(lens) - lens
-        return np.arange(int(lens.sum()), dtype=np.int64) + np.repeat(
-            request_starts[self.mixes.requests] - pair_starts, lens)
+        pairs = np.arange(int(lens.sum()), dtype=np.int64) + np.repeat(request_starts[self.mixes.requests] - pair_starts,
+                                                                       lens)
+        return np.concatenate([rows, pairs])
 
     def last_tokens(self) -> Requests:
         """One single-token request per non-empty request, with its scale and mix: the rows a

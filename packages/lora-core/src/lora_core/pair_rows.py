@@ -2,18 +2,18 @@
 
 A request that mixes adapters, ``{a: w_a, b: w_b, ...}``, gets ``sum_i w_i * delta_i``. Its first
 adapter runs on its token rows, at ``scale * w_a`` (a request scale like any other); each further
-adapter runs on a pair row per (token, adapter), at ``scale * w_i``. The pair rows are a batch of
-their own (one request per (mixed request, further adapter), in request order: they have segments,
-slots, scales and plans like any batch) plus, for each pair row, the token row it reads its input
-from and adds its delta to. An op runs its kernels over the token rows, then over the pair rows on
-their gathered inputs, and adds their deltas into their token rows
-(:class:`~lora_core.batch_info_backend.BatchInfoBackend`); a batch without mixes has no pair rows
-and launches nothing for them.
+adapter on a pair row per (token, adapter), at ``scale * w_i``. A batch with mixes runs its LoRA ops
+over one batch of rows: its token rows, then its pair rows (one request per (mixed request, further
+adapter), in request order), each row with its slot, its scale and the token row it reads its input
+from and adds its delta to. An op gathers its inputs by those token rows, runs each kernel once over
+all the rows, and adds every row's delta into its token's row
+(:class:`~lora_core.batch_info_backend.BatchInfoBackend`): the kernels see a batch like any other,
+and a batch without mixes has no pair rows and launches what it did.
 
-:class:`PairRows` is the one owner of that batch. An eager batch builds it with the batch when the
-batch has mixes; a graph-mode batch with a pair capacity (``max_pairs - max_tokens``) allocates it
-once and refills it in place with every batch, its padding rows on slot -1 and token row 0 (a zero
-delta added to row 0), so a captured graph replays on other mixes.
+:class:`PairRows` is the one owner of that batch of rows. An eager batch builds it with the batch
+when the batch has mixes; a graph-mode batch with a pair capacity (``max_pairs - max_tokens``)
+allocates it once for ``max_pairs`` rows and refills it in place with every batch, its padding rows
+on slot -1 and token row 0 (a zero delta added to row 0), so a captured graph replays on other mixes.
 """
 
 from __future__ import annotations
@@ -34,31 +34,32 @@ __all__ = ["PairRows", "check_pair_capacity"]
 
 
 class PairRows:
-    """The pair rows of ``parent``'s mixes: ``requests``' further slots (:meth:`Requests.pair_requests`),
-    for ``capacity`` rows in graph mode (``None``: eager, exactly the pairs).
+    """The rows of ``parent``'s batch with its pair rows (:meth:`Requests.with_pair_rows`), for
+    ``capacity`` rows in graph mode (``None``: eager, exactly the rows).
 
     Attributes:
-        view: the :class:`~lora_core.BatchInfo` of the pair rows (its scales are the mixes' weights
-            times their requests' scales; built with the plans ``parent`` has so far).
+        view: the :class:`~lora_core.BatchInfo` of those rows: the token rows at their scales, then
+            the pair rows at their mixes' weights times their requests' scales (built with the plans
+            ``parent`` has so far, refilled with ``parent`` in graph mode).
     """
 
     __slots__ = ("view", "_rows")
 
     def __init__(self, parent: BatchInfo, requests: Requests, capacity: int | None) -> None:
-        pairs = requests.pair_requests()
-        self.view = type(parent)(pairs, parent.lora_ranks_host, parent.scalings_host, device=parent.device,
+        rows = requests.with_pair_rows()
+        self.view = type(parent)(rows, parent.lora_ranks_host, parent.scalings_host, device=parent.device,
                                  use_graph=capacity is not None, capacity=capacity, max_rank=parent.max_rank,
                                  with_scales=parent.with_scales)
-        rows = pairs.num_tokens if capacity is None else capacity
-        self._rows = allocating(f"max_pairs ({rows} pair rows)", lambda: StagedTensors(
-            {"token_rows": ((rows,), torch.int64)}, parent.device, double_buffered=capacity is not None))
+        size = rows.num_tokens if capacity is None else capacity
+        self._rows = allocating(f"max_pairs ({size} rows)", lambda: StagedTensors(
+            {"token_rows": ((size,), torch.int64)}, parent.device, double_buffered=capacity is not None))
         self._publish_rows(requests)
         for plan_type in parent.plan_types:
             self.view.plan(plan_type)
 
     @property
     def token_rows(self) -> torch.Tensor:
-        """``(P,)`` int64 on the device: the token row of each pair row (0 for graph-mode padding)."""
+        """``(N,)`` int64 on the device: each row's token row (0 for graph-mode padding)."""
         return self._rows.device["token_rows"]
 
     @property
@@ -67,13 +68,13 @@ class PairRows:
         return self._rows.published["token_rows"]
 
     def refill(self, requests: Requests) -> None:
-        """Graph mode: describe ``requests``' pair rows in place (their plans refilled)."""
-        self.view._publish_batch(requests.pair_requests())
+        """Graph mode: describe ``requests``' rows in place (their plans refilled)."""
+        self.view._publish_batch(requests.with_pair_rows())
         self._publish_rows(requests)
         self.view.plans.refill(self.view)
 
     def set_adapters(self, lora_ranks: tuple[int, ...], scalings: tuple[float, ...]) -> None:
-        """The parent's slots got new ranks and scalings: the pair rows' too (plans refilled)."""
+        """The parent's slots got new ranks and scalings: the rows' too (plans refilled)."""
         self.view._publish_adapters(lora_ranks, scalings)
         self.view.plans.refill(self.view)
 

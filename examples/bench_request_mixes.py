@@ -1,0 +1,161 @@
+"""What weighted adapter mixes cost (issue #40): a decode step and a prefill with and without them, side by side.
+
+lora-layers' ``TinyDecoder`` (Llama-shaped: hidden 256, 4 layers) serves lora-sim's four synthetic
+PEFT adapters (ranks 8, 16, 32 and 64, one with rsLoRA, one on the embedding and LM head too),
+eagerly, on a decode batch of 32 one-token requests and a prefill of 8 requests of 32 tokens
+(every fifth request on the base model), with the ``torch_native`` and ``ascend`` backends.
+Each round runs every variant once, the order rotating (``lora_core.testing.timing``):
+
+* ``one adapter each``: every request on one adapter (or the base model), which the figures are
+  relative to;
+* ``a quarter mixed``: every fourth request a two-adapter mix (``{a: 0.6, b: 0.4}``) of its own
+  adapter and the next one: one more (token, adapter) pair per token of those requests.
+
+For each phase the script also prints the issue's bound, ``(1 + extra / plain) * 1.10``: a mixed
+batch may cost its extra (token, adapter) pairs' FLOPs plus 10%. ``plain`` is the batch without mixes'
+multiply-accumulates (the base model's, counted by ``lora_core.testing.count_launches`` on the batch
+routed to the base model, plus each token's LoRA products at its slot's rank in every wrapped module),
+``extra`` the pair rows' LoRA products the same way: what the pairs need, not what a kernel's padding
+spends. Figures are each variant's time over ``one adapter each`` in the same round,
+as the median over rounds with its min-max spread. The outputs are checked first: the rows of
+requests without a mix equal the batch without mixes, and a mixed request's rows differ from its
+first adapter's alone.
+
+    python examples/bench_request_mixes.py              # 9 rounds
+    python examples/bench_request_mixes.py --smoke      # tiny sizes: a check that it runs
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from lora_core.testing import count_launches
+from lora_core.testing.timing import Interleaved, Spread, apply_threads, benchmark_parser, format_spread, machine_info
+from lora_layers import MultiLoRA, TinyConfig, TinyDecoder
+from lora_layers.layers import EmbeddingWithLoRA
+from lora_layers.sim.adapters import make_synthetic_adapters
+
+SIZES = {
+    "default": dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=4),
+    "smoke": dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2),
+}
+SHAPES = {"default": {"decode": (32, 1), "prefill": (8, 32)}, "smoke": {"decode": (8, 1), "prefill": (4, 5)}}
+BACKENDS = ("torch_native", "ascend")
+VARIANTS = ("one adapter each", "a quarter mixed")
+WEIGHTS = (0.6, 0.4)
+
+
+def build(sizes: dict, tmp: Path, backend: str) -> tuple[TinyDecoder, MultiLoRA, list[str]]:
+    """The model serving lora-sim's four synthetic adapters on ``backend``, and their names."""
+    torch.manual_seed(0)
+    config = TinyConfig(**sizes)
+    model = TinyDecoder(config).eval()
+    paths = make_synthetic_adapters(config, tmp)
+    return model, MultiLoRA.from_adapters(model, paths, backend=backend), list(paths)
+
+
+def batches(names: list[str], requests: int) -> tuple[list, list]:
+    """The adapters of ``one adapter each`` and of ``a quarter mixed`` (request 1, 5, 9, ...: a mix
+    of its adapter and the next one)."""
+    plain = [None if i % 5 == 0 else names[i % len(names)] for i in range(requests)]
+    mixed = [{a: WEIGHTS[0], names[(names.index(a) + 1) % len(names)]: WEIGHTS[1]} if i % 4 == 1 and a else a
+             for i, a in enumerate(plain)]
+    return plain, mixed
+
+
+def lora_macs_per_token(mlora: MultiLoRA) -> dict[str, int]:
+    """Each adapter's LoRA multiply-accumulates for one token through every wrapped module, at its slot's
+    rank (the shrink over the module's slices and the expand; an embedding's shrink is a lookup)."""
+    R = mlora.slots.max_rank
+    macs = {}
+    for name, slot in mlora.adapters.items():
+        r = mlora.slots.lora_ranks[slot]
+        total = 0
+        for layer in mlora.wrapped.values():
+            a, b = layer.buffers.a, layer.buffers.b
+            shrink = 0 if isinstance(layer, EmbeddingWithLoRA) else a.shape[1] // R * r * a.shape[2]
+            total += shrink + b.shape[1] * r
+        macs[name] = total
+    return macs
+
+
+def bound(model, mlora, lens, plain, mixed, ids) -> float:
+    """``(1 + extra / plain) * 1.10``: the time a quarter-mixed batch may take, relative to the batch without mixes."""
+    base = count_launches(lambda: forward(model, mlora, lens, [None] * len(lens), ids)).matmul_macs
+    per_token = lora_macs_per_token(mlora)
+    plain_macs = base + sum(n * per_token[a] for n, a in zip(lens, plain) if a is not None)
+    extra = sum(n * per_token[name] for n, entry in zip(lens, mixed) if isinstance(entry, dict)
+                for name in list(entry)[1:])
+    return (1 + extra / plain_macs) * 1.10
+
+
+def forward(model, mlora, lens, adapters, ids, scales=None):
+    """One forward of the batch, the batch set inside the call as a server sets it each step."""
+    with torch.no_grad():
+        mlora.set_batch(lens, adapters, scales)
+        return model(ids)
+
+
+def check(model, mlora, lens, plain, mixed, ids) -> None:
+    """The rows of requests without a mix equal the batch without mixes (within fp32 rounding), and
+    each mixed request's rows differ from its first adapter's alone (the mixes' values against PEFT:
+    tests/test_request_mixes_transformers.py)."""
+    got, plain_out = forward(model, mlora, lens, mixed, ids), forward(model, mlora, lens, plain, ids)
+    for i, (length, entry) in enumerate(zip(lens, mixed)):
+        rows = slice(sum(lens[:i]), sum(lens[:i]) + length)
+        same = torch.allclose(got[rows], plain_out[rows], rtol=1e-5, atol=1e-5)
+        if same == isinstance(entry, dict):
+            raise SystemExit(f"bench_request_mixes: request {i} ({entry!r}) " +
+                             ("equals its first adapter alone" if same else "changed in the mixed batch"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = benchmark_parser("bench_request_mixes", __doc__.splitlines()[0])
+    args = parser.parse_args(argv)
+    threads = apply_threads(args.threads)
+    size = "smoke" if args.smoke else "default"
+    rounds = 3 if args.smoke else args.rounds
+    load = os.getloadavg()[0]
+    results, bounds = {}, {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for backend in BACKENDS:
+            model, mlora, names = build(SIZES[size], Path(tmp) / backend, backend)
+            for phase, (requests, length) in SHAPES[size].items():
+                lens = [length] * requests
+                plain, mixed = batches(names, requests)
+                ids = torch.randint(0, model.config.vocab_size, (requests * length,),
+                                    generator=torch.Generator().manual_seed(1))
+                check(model, mlora, lens, plain, mixed, ids)
+                calls = {"one adapter each": lambda a=plain: forward(model, mlora, lens, a, ids),
+                         "a quarter mixed": lambda a=mixed: forward(model, mlora, lens, a, ids)}
+                bounds[(backend, phase)] = bound(model, mlora, lens, plain, mixed, ids)
+                for call in calls.values():
+                    call()  # warm up: batches built and cached, plans made
+                timer = Interleaved(VARIANTS)
+                repeats = 3 if args.smoke else 20
+                for _ in range(rounds):
+                    timer.round({name: (lambda c=call: [c() for _ in range(repeats)]) for name, call in calls.items()})
+                base = timer.samples["one adapter each"]
+                results[(backend, phase)] = Spread.of([s / b for s, b in zip(timer.samples["a quarter mixed"], base)])
+    info = machine_info()
+    print(f"bench_request_mixes: {info['cpu']} ({info['cpu_count']} cores), torch {info['torch']}, {threads} "
+          f"threads; load average {load:.2f} before the run; {rounds} rounds")
+    for (backend, phase), spread in results.items():
+        requests, length = SHAPES[size][phase]
+        print(f"{backend}, {phase} ({requests} x {length} tokens), a quarter mixed / one adapter each: "
+              f"{format_spread(spread, '{:.3f}')}; bound {bounds[(backend, phase)]:.3f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"machine": info, "load": load, "rounds": rounds, "results": {
+            f"{backend}/{phase}": {"ratio": vars(s), "bound": bounds[(backend, phase)]}
+            for (backend, phase), s in results.items()}}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
