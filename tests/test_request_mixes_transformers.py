@@ -315,3 +315,40 @@ def test_the_example_of_request_mixes_md_runs(tmp_path):
         exec(compile(code, "docs/request-mixes.md", "exec"), namespace)
     assert namespace["out"].shape == (3, 12)
     assert mlora.backend.batch_info.pair_capacity == 32
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_mixtral_graph_captured_with_one_batch_of_mixes_replays_another_as_eager_and_merged(device, backend,
+                                                                                              tmp_path):
+    """The experts' pair rows in graph mode: captured (or compiled) with batch A, run with batch B (other
+    mixes and split); each equals its eager forward, whose rows equal the merged-weights oracle above."""
+    if device.is_graph and device.name != "cpu-graphsim" and backend != "torch_native":
+        pytest.skip("compiled and on hardware: one backend")
+    moe = scaled.moe
+    base = moe._base_model("mixtral")
+    for name in moe.ADAPTERS:
+        moe._save_adapter("mixtral", base, name, tmp_path / name)
+    paths = {name: tmp_path / name for name in moe.ADAPTERS}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        merged = {name: peft.PeftModel.from_pretrained(copy.deepcopy(base), str(path)).merge_and_unload().state_dict()
+                  for name, path in paths.items()}
+    a = ([5, 5, 5, 5], [{"sql": 0.4, "math": 1.3}, None, "chat", [("math", 0.5), ("chat", 0.5), ("sql", 1.0)]],
+         [1.0, 1.0, 1.7, 0.6])  # 5 + 10 pair rows
+    b = ([10, 5, 5], [{"chat": 0.9, "sql": 0.2}, "math", {"sql": 1.5}], [1.0, 2.0, 0.7])  # 10
+    T = GRAPH_ROWS * GRAPH_LEN
+    ids = torch.randint(3, base.config.vocab_size, (GRAPH_ROWS, GRAPH_LEN), generator=torch.Generator().manual_seed(2))
+    model, mlora = scaled._serve(base, paths, backend, device.torch_device)
+    eager, outs = device.eager_and_replayed(
+        lambda i: model(input_ids=i, use_cache=False).logits, [ids.to(device.torch_device)],
+        lambda: mlora.set_batch(*a), lambda: mlora.set_batch(*b), lambda: mlora.enable_graph(T, max_pairs=T + 15))
+    rtol, atol = TOLERANCES[torch.float32]
+    for out, expected, batch in zip(outs, eager, (a, b), strict=True):
+        expected = expected.cpu()
+        torch.testing.assert_close(out.cpu(), expected, rtol=rtol, atol=atol)
+        rows = [(e, s) for k, e, s in zip(*batch) for _ in range(k // GRAPH_LEN)]
+        for row, (entry, scale) in enumerate(rows):
+            names, weights = _weighted(entry, scale) if entry is not None else ((), ())
+            with torch.no_grad():
+                want = _merged_mix(base, merged, dict(zip(names, weights)))(input_ids=ids, use_cache=False).logits
+            assert scaled._rel(expected[row], want[row]) <= 1e-4, (row, entry)

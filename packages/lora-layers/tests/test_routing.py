@@ -241,3 +241,19 @@ def test_a_conv1d_is_wrapped_like_a_linear_of_its_transposed_weight(tmp_path):
         out = model(x)
     torch.testing.assert_close(out[1], base[1])
     torch.testing.assert_close(out[0], base[0] + 2.0 * x[0] @ a.T @ b.T)
+
+
+def test_eviction_counts_a_mixs_adapters_as_used_and_keeps_those_of_an_active_mix(tmp_path):
+    """A weighted mix uses each of its adapters: set_batch records them for LRU, and an active route's mix
+    protects them from eviction."""
+    path = _adapter(tmp_path, "c")
+    model, mlora = _served(tmp_path, eviction="lru")
+    mlora.load_adapter("c", path)
+    mlora.set_batch([1, 1], ["a", {"b": 0.5, "c": 0.5}])
+    mlora.set_batch([1], [{"c": 1.0, "a": 0.2}])
+    assert mlora.load_adapter("d", path) == 1  # b, used only in the older mix, least recently
+    with mlora.route([{"a": 0.5, "d": 0.5}, "c"]):
+        with pytest.raises(RuntimeError, match="hold adapters of the active route"):
+            mlora.load_adapter("e", path)
+    with mlora.route([[("a", 0.5), ("d", 0.5)]]):
+        assert mlora.load_adapter("e", path) == 2  # c is not in the route

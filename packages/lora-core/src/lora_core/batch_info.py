@@ -1,7 +1,7 @@
 """The batch: requests, their segments and adapter slots, shared by every LoRA op.
 
 A batch is a flattened sequence of ``T`` tokens made of requests; each request
-uses one adapter slot (or none). :func:`build_batch_info` validates the
+uses one adapter slot (or none), or a weighted mix of slots. :func:`build_batch_info` validates the
 per-request description once, merges adjacent requests on the same slot into
 segments and publishes, on the device:
 
@@ -21,7 +21,8 @@ token blocks, a host loop plan) are each kernel family's
 :class:`~lora_core.plans.BatchPlan`, kept in the batch's
 :class:`~lora_core.plans.PlanCache` (``BatchInfo.plans``), which the batch tells
 when it changes; the rows of a pruned LM head are a batch of their own, owned by
-:class:`~lora_core.lm_head_rows.LMHeadRows`.
+:class:`~lora_core.lm_head_rows.LMHeadRows`, and so are the token and (token, adapter)
+pair rows of a batch with weighted mixes, owned by :class:`~lora_core.pair_rows.PairRows`.
 
 In graph mode (``use_graph=True``) every device tensor is allocated once for
 ``max_tokens`` and :meth:`BatchInfo.refill` rewrites it in place, keeping its
@@ -87,12 +88,13 @@ class BatchInfo:
         adapter or padding), token_scales (T,) float32 (request scale per token),
         lora_ranks (L,) int32, scalings (L,) float32.
 
-    A token's delta is ``token_scales[t] * scalings[slot_t] * B @ A @ x[t]``. The request
-    scales are applied by the backend to each shrink's output
-    (:class:`~lora_core.backend.BatchInfoBackend`) when :attr:`has_request_scales`.
+    A token's delta is ``token_scales[t] * scalings[slot_t] * B @ A @ x[t]``, plus, for a request
+    with a weighted mix, its further slots' deltas on its :attr:`pairs` rows. The request scales
+    and pair rows are applied by the backend (:class:`~lora_core.batch_info_backend.BatchInfoBackend`).
 
     In graph mode ``S`` and ``T`` are the preallocated capacity (``max_tokens``);
-    unused segments have length 0 and slot -1, padding tokens slot -1 and scale 0.
+    unused segments have length 0 and slot -1, padding tokens slot -1 and scale 0;
+    ``pair_capacity`` pair rows (``max_pairs - max_tokens``) are preallocated beside them.
     Kernel plans: :meth:`plan` (kept in :attr:`plans`, refilled with the batch).
     """
 
@@ -142,7 +144,7 @@ class BatchInfo:
             self._publish_adapters(lora_ranks, scalings)
             self._batch = allocating(f"max_tokens = {capacity}", lambda: StagedTensors(
                 _batch_fields(capacity, capacity), device, double_buffered=True))
-        self._publish_batch(requests)  # eager: batch and adapters in one buffer, one upload
+        self._publish_batch(requests)  # eager: batch and adapters in one buffer, one upload; then the pairs
 
     # ------------------------------------------------------------------ sizes
     @property
@@ -208,8 +210,7 @@ class BatchInfo:
 
     @property
     def request_mixes(self) -> tuple[tuple[tuple[int, float], ...], ...]:
-        """Each request's further slots, ``((slot, weight * scale), ...)`` in its mix's order (empty for a
-        request of one slot): the slots beyond :attr:`request_slots`, whose rows are the pair rows."""
+        """Each request's slots beyond :attr:`request_slots` (the pair rows'), ``((slot, weight * scale), ...)``."""
         return self._requests.further_slots()
 
     @property
@@ -343,8 +344,7 @@ class BatchInfo:
         self._publish_pairs(requests)
 
     def _publish_pairs(self, requests: Requests) -> None:
-        """The pair rows of ``requests``' mixes: built for an eager batch that has some, refilled
-        in place (or allocated, the first time) for a graph-mode batch with a pair capacity."""
+        """``requests``' pair rows: built for an eager batch with mixes, refilled for a graph one with room."""
         if not self.use_graph:
             self._pairs = None if requests.mixes is None else PairRows(self, requests, None)
         elif self.pair_capacity:

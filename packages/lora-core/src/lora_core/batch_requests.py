@@ -12,7 +12,7 @@ adjacent non-empty requests on one slot become one segment.
 
 A request may name a weighted mix of slots instead of one slot (:class:`Mixes`): its first
 slot is its slot, at ``scale * weight``, and each further slot gives the batch one more row
-per token of the request, a (token, adapter) pair row (:meth:`Requests.pair_requests`).
+per token of the request, a (token, adapter) pair row (:meth:`Requests.with_pair_rows`).
 """
 
 from __future__ import annotations
