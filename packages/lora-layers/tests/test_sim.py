@@ -11,7 +11,8 @@ SMALL = '{"vocab_size": 64, "hidden_size": 32, "intermediate_size": 48, "num_att
 
 
 def test_default_workload_passes_on_cpu_devices(capsys, tmp_path):
-    # its requests carry scales (0.5, 1.5 and 0 among them): eager, graph mode and compiled
+    # its requests carry scales (0.5, 1.5 and 0 among them) and one is a weighted mix of two adapters
+    # (test_sim_mixes.py): eager, graph mode and compiled
     code = sim.main(["--device", "cpu", "--device", "cpu-graphsim", "--device", "cpu-compile",
                      "--compile-backend", "aot_eager", "--model-config", SMALL,
                      "--decode-steps", "2", "--rounds", "3", "--json", str(tmp_path / "r.json")])
@@ -19,14 +20,20 @@ def test_default_workload_passes_on_cpu_devices(capsys, tmp_path):
     assert code == 0, out
     assert "| torch_native | cpu | pass |" in out and "| ascend | cpu-graphsim | pass |" in out
     assert "safe (strict simulated capture)" in out and "median (min–max) over 3 rounds" in out
-    assert ("requests (prompt tokens, adapter x request scale): 17 tok r8 x1, 5 tok base, 33 tok r16 x0.5, "
-            "9 tok r32-rslora x1, 1 tok r64-embed-head x1.5, 24 tok r8 x0;") in out
+    assert ("requests (prompt tokens, adapter or (weighted mix of adapters) x request scale): 17 tok r8 x1, "
+            "5 tok base, 33 tok r16 x0.5, 9 tok r32-rslora x1, 1 tok r64-embed-head x1.5, 24 tok r8 x0, "
+            "12 tok (0.7 r32-rslora + 0.4 r64-embed-head) x0.8; a mix's request gets scale * sum of weight * delta;"
+            ) in out
     document = json.loads((tmp_path / "r.json").read_text())
-    assert document["workload"]["scales"] == [1.0, 1.0, 0.5, 1.0, 1.5, 0.0]
+    assert document["workload"]["scales"] == [1.0, 1.0, 0.5, 1.0, 1.5, 0.0, 0.8]
+    assert document["workload"]["adapters"][6] == [["r32-rslora", 0.7], ["r64-embed-head", 0.4]]
     rows = document["rows"]
     assert [(r["backend"], r["device"]) for r in rows] == [(b, d) for b in ("ascend", "torch_native")
                                                            for d in ("cpu", "cpu-graphsim", "cpu-compile")]
     assert {r["status"] for r in rows} == {"pass"} and all(r["launches_per_decode_step"] > 0 for r in rows)
+    # every request checked, the mixed one (the seventh) among them, within the fp32 tolerance
+    assert all(len(r["max_abs_error_by_request"]) == 7 for r in rows)
+    assert all(max(r["max_abs_error_by_request"]) == r["max_abs_error"] < 1e-4 for r in rows)
     # decode steps at other scales replay the one compiled graph
     assert [r["compiled_decode"]["recompiles"] for r in rows if r["device"] == "cpu-compile"] == [0, 0]
 
@@ -53,7 +60,9 @@ def test_real_adapters_are_served(capsys, tmp_path):
     out = capsys.readouterr().out
     assert "adapters ['mine']" in out
     # request scales belong to requests, so a given adapter is served at each of the workload's
-    assert "17 tok mine x1, 5 tok base, 33 tok mine x0.5, 9 tok mine x1, 1 tok mine x1.5, 24 tok mine x0;" in out
+    # and the mixed request, of one adapter here, is that adapter at the mix's first weight
+    assert ("17 tok mine x1, 5 tok base, 33 tok mine x0.5, 9 tok mine x1, 1 tok mine x1.5, 24 tok mine x0, "
+            "12 tok (0.7 mine) x0.8;") in out
 
 
 @pytest.mark.parametrize(

@@ -165,9 +165,9 @@ def test_the_memory_estimate_is_refused_above_the_limit_which_can_be_raised(caps
     err = _bad(capsys, ["--model-config", LLAMA_7B], "of memory (")
     assert "above --max-memory-gib 4; raise the limit (a number of GiB) or give a smaller --model-config" in err
     gib = float(err.split("needs about ")[1].split(" GiB")[0].replace(",", ""))
-    assert 100 < gib < 400  # nine fp32 copies of a 6.7e9-parameter model, give or take
+    assert 100 < gib < 400  # ten fp32 copies of a 6.7e9-parameter model, give or take
     _bad(capsys, ["--max-memory-gib", "0.001"], "above --max-memory-gib 0.001")
-    estimate = checks.estimate_memory(sim.DEFAULT_CONFIG.to_dict(), [8, 16, 32, 64], 89)
+    estimate = checks.estimate_memory(sim.DEFAULT_CONFIG.to_dict(), [8, 16, 32, 64], sum(sim.Workload().prompt_lens))
     assert estimate.bytes < 128 * 2**20 and estimate.size().endswith(" MiB")  # the default run: tens of MiB
 
 
@@ -233,7 +233,7 @@ def test_progress_lines_on_stderr_and_quiet(capsys, tmp_path):
     assert sim.main(argv) == 0
     err = capsys.readouterr().err.splitlines()
     assert err[0].startswith("lora-sim: writing 4 synthetic adapters; 1 backend(s) x 2 device(s) to run, about ")
-    assert err[1] == "lora-sim: building 6 fp32 reference models"  # the base and 5 (adapter, scale) pairs
+    assert err[1] == "lora-sim: building 7 fp32 reference models"  # the base, 5 (adapter, scale) pairs, the mix
     assert err[2].startswith("lora-sim: [1/2] torch_native / cpu: pass, ") and err[2].endswith(" s")
     assert err[3].startswith("lora-sim: [2/2] torch_native / npu: skipped: torch_npu")
     assert err[4].startswith("lora-sim: 2 rows in ") and len(err) == 5

@@ -18,16 +18,17 @@ CONFIG = sim.parse_config(SMALL)  # fused, as lora-sim serves it
 def test_the_default_workload_scales_requests_of_every_kind_of_adapter():
     workload = default_workload(["r8", "r16", "r32-rslora", "r64-embed-head"])
     assert workload.requests() == [("r8", 1.0), (None, 1.0), ("r16", 0.5), ("r32-rslora", 1.0),
-                                   ("r64-embed-head", 1.5), ("r8", 0.0)]
+                                   ("r64-embed-head", 1.5), ("r8", 0.0),
+                                   ((("r32-rslora", 0.7), ("r64-embed-head", 0.4)), 0.8)]
     # scales belong to requests, not adapters: one given adapter gets them all
     assert default_workload(["mine"]).scales == DEFAULT_SCALES
-    assert default_workload([]).scales == (1.0,) * 6
+    assert default_workload([]).scales == (1.0,) * 7
 
 
 @pytest.mark.parametrize(("scales", "message"), [
-    ((1.0,) * 5, "one entry per prompt; got 6, 6 and 5"),
-    ((1.0, 1.0, -0.5, 1.0, 1.0, 1.0), "scales must be finite and >= 0, got -0.5"),
-    ((1.0, 1.0, float("nan"), 1.0, 1.0, 1.0), "scales must be finite and >= 0, got nan"),
+    ((1.0,) * 5, "one entry per prompt; got 7, 7 and 5"),
+    ((1.0, 1.0, -0.5, 1.0, 1.0, 1.0, 1.0), "scales must be finite and >= 0, got -0.5"),
+    ((1.0, 1.0, float("nan"), 1.0, 1.0, 1.0, 1.0), "scales must be finite and >= 0, got nan"),
 ])
 def test_a_workload_with_bad_scales_is_refused(scales, message):
     with pytest.raises(ValueError, match=message):
@@ -69,6 +70,6 @@ def test_checked_against_scale_1_references_the_scaled_rows_fail(capsys, monkeyp
 
 
 def test_the_help_states_the_default_workloads_scales():
-    adapter_scales = [f"{s:g}" for a, s in Workload().requests() if a is not None]
+    adapter_scales = [f"{s:g}" for a, s in Workload().requests() if isinstance(a, str)]
     said = f"{', '.join(adapter_scales[:-1])} and {adapter_scales[-1]}"
-    assert f"the five adapter requests are at {said} (0: no delta;" in " ".join(sim.cli.EPILOG.split())
+    assert f"the five single-adapter requests are at {said} (0: no delta;" in " ".join(sim.cli.EPILOG.split())

@@ -250,7 +250,7 @@ def estimate_memory(config: Mapping[str, Any], adapter_ranks: Sequence[int], tok
     as a dict) serving adapters of ``adapter_ranks`` on ``tokens`` prefill tokens, with
     ``saved_params_per_slot`` parameters of copies of modules adapters train whole
     (``modules_to_save``) in every slot, checked against ``merged_references`` fp32 reference
-    models with an adapter merged in (one per (adapter, request scale) of the workload;
+    models with an adapter or a weighted mix merged in (one per (adapter or mix, request scale) of the workload;
     ``None``: one per adapter).
 
     Alive at once: the merged fp32 reference models, the unmerged one and the model they

@@ -43,7 +43,7 @@ from .quantize import QUANTIZATIONS, Quantization, check_quantization
 from .reference import reference_keys
 from .report import format_devices, format_header, format_rows, to_json, write_plot
 from .run import COMPILE_BACKENDS, ROUNDS, check_compile_backend, run_simulation
-from .serving import AdapterSources, build_multilora, saved_modules
+from .serving import AdapterSources, build_multilora, saved_modules, unmixable
 from lora_core.testing.timing import machine_info
 from .workload import DEFAULT_CONFIG, Workload, default_workload
 
@@ -246,8 +246,9 @@ def build_parser() -> argparse.ArgumentParser:
 class RunPlan:
     """A run, every input checked: what :func:`check_run` returns and the run executes.
 
-    ``adapters`` is ``None`` for the synthetic adapters; ``json_path`` is ``"-"`` for
-    stdout; ``progress`` says whether lines go to stderr; ``quantization`` is the base's
+    ``adapters`` is ``None`` for the synthetic adapters; ``workload`` is the default workload over
+    the adapters (its mixed request of adapters that can be mixed), with ``--decode-steps``;
+    ``json_path`` is ``"-"`` for stdout; ``progress`` says whether lines go to stderr; ``quantization`` is the base's
     ``--quantize`` choice, its library importable.
     """
 
@@ -256,7 +257,7 @@ class RunPlan:
     config: TinyConfig
     note: str | None
     adapters: dict[str, PeftAdapter] | None
-    decode_steps: int
+    workload: Workload
     rounds: int
     json_path: Path | str | None
     plot_path: Path | None
@@ -284,9 +285,12 @@ def check_run(args: argparse.Namespace) -> RunPlan:
     ranks = [rank for _, rank in given.values()] if given else [spec[0] for spec in SYNTHETIC_ADAPTERS.values()]
     adapters = {name: adapter for name, (adapter, _) in given.items()} if given else None
     saved = sum(saved_modules(adapters).values()) if adapters else 0
-    requests = default_workload(list(adapters) if adapters else list(SYNTHETIC_ADAPTERS)).requests()
-    memory = estimate_memory(config.to_dict(), ranks, sum(Workload.prompt_lens), saved,
-                             merged_references=len(reference_keys(requests)) - 1)
+    workload = default_workload(list(adapters) if adapters else list(SYNTHETIC_ADAPTERS),  # synthetic: all mixable
+                                unmixable(adapters) if adapters else ())
+    if args.decode_steps is not None:
+        workload = dataclasses.replace(workload, decode_steps=args.decode_steps)
+    memory = estimate_memory(config.to_dict(), ranks, sum(workload.prompt_lens), saved,
+                             merged_references=len(reference_keys(workload.requests())) - 1)
     limit = MAX_MEMORY_GIB if args.max_memory_gib is None else args.max_memory_gib
     if memory.gib > limit:
         raise UsageError(f"this run needs about {memory.size()} of memory ({memory.describe()}), above "
@@ -299,10 +303,9 @@ def check_run(args: argparse.Namespace) -> RunPlan:
                 "; is --model-config the config of the adapters' base model?")
         check_adapters_fit(config, adapters, hint)
     return RunPlan(backends=backends, devices=devices, config=config, note=note, adapters=adapters,
-                   decode_steps=Workload.decode_steps if args.decode_steps is None else args.decode_steps,
-                   rounds=ROUNDS if args.rounds is None else args.rounds, json_path=json_path, plot_path=plot_path,
-                   progress=not args.quiet and json_path != "-", memory=memory, compile_backend=compile_backend,
-                   quantization=quantization)
+                   workload=workload, rounds=ROUNDS if args.rounds is None else args.rounds, json_path=json_path,
+                   plot_path=plot_path, progress=not args.quiet and json_path != "-", memory=memory,
+                   compile_backend=compile_backend, quantization=quantization)
 
 
 def _run(plan: RunPlan) -> int:
@@ -318,7 +321,7 @@ def _run(plan: RunPlan) -> int:
             adapters = make_synthetic_adapters(config, Path(tmp))
         else:
             adapters = plan.adapters
-        workload = dataclasses.replace(default_workload(list(adapters)), decode_steps=plan.decode_steps)
+        workload = plan.workload
         rows = run_simulation(plan.backends, plan.devices, config, adapters, workload, progress=plan.progress,
                               rounds=plan.rounds, compile_backend=plan.compile_backend,
                               quantization=plan.quantization)

@@ -22,21 +22,29 @@ _QUANTIZE = "\n".join(textwrap.fill(f"{q.name:<5} {q.describe}" + (f"; needs {q.
 EPILOG = f"""\
 The default run needs nothing but this package: a small seeded decoder-shaped
 model, four synthetic PEFT adapters (ranks 8/16/32/64; one rsLoRA; one also on
-the embedding and the LM head), a prefill of six prompts of different lengths on
-mixed adapters (one on the base model; the LM head sees each prompt's last token
-only) and greedy decode steps, each on a different adapter mix. Each request has
-a scale, the multiplier of its adapter's delta (MultiLoRA.set_batch(...,
-scales=)): the five adapter requests are at 1, 0.5, 1, 1.5 and 0 (0: no delta; a
-modules_to_save copy is not scaled), in every mode (eager, graph mode with
-enable_graph(..., scales=True), compiled); the header lists each request's
-adapter and scale and --json's "workload" its "scales". --adapter adapters are
-served at the same scales, a scale being a request's, not an adapter's. No
-request mixes several adapters: lora-kit does not serve weighted mixes yet.
-Every output of every backend x device row is checked against an fp32 reference
-that merges the request's adapter at its scale into a copy of the base model, at
-the fp32 tolerance of lora_core.testing.TOLERANCES (docs/layout.md) with atol
-scaled by the outputs' magnitude (atol * max(1, max |ref|)), so large valid
-logits are not judged at the tolerance of unit-scale ones.
+the embedding and the LM head), a prefill of seven prompts of different lengths
+on different adapters (one on the base model, one on a weighted mix; the LM head
+sees each prompt's last token only) and greedy decode steps, each on another
+order of the requests. Each request has a scale, the multiplier of its adapter's
+delta (MultiLoRA.set_batch(..., scales=)): the five single-adapter requests are at
+1, 0.5, 1, 1.5 and 0 (0: no delta; a modules_to_save copy is not scaled). The
+seventh request mixes the last two adapters, 0.7 r32-rslora + 0.4 r64-embed-head
+(the embedding and LM head among its modules), at scale 0.8: it gets 0.8 * (0.7
+delta_a + 0.4 delta_b), PEFT's add_weighted_adapter(combination_type="cat") for
+that request alone; --adapter adapters mix the same way (DoRA and modules_to_save
+adapters are left out of the mix; with fewer than two left, it is one adapter at
+weight 0.7). All of it in every mode (eager, graph mode with enable_graph(...,
+scales=True, max_pairs=) sized for the decode batch's (token, adapter) pairs,
+compiled); the header lists each request's adapter or mix and scale, and --json's
+"workload" its "adapters" (a mix as [[name, weight], ...]) and "scales". --adapter
+adapters are served at the same scales, a scale being a request's, not an
+adapter's. Every output of every backend x device row is checked against an fp32
+reference that merges the request's adapter, or each adapter of its mix at its
+weight, at its scale into a copy of the base model, at the fp32 tolerance of
+lora_core.testing.TOLERANCES (docs/layout.md) with atol scaled by the outputs'
+magnitude (atol * max(1, max |ref|)), so large valid logits are not judged at the
+tolerance of unit-scale ones; --json's rows give each request's largest error
+("max_abs_error_by_request").
 
 Timings are medians over --rounds rounds with their min-max spread; in each round
 the LoRA model and the base model run interleaved (prefill by prefill, decode step
@@ -70,8 +78,8 @@ limits (checked before anything runs; bad input exits 2 with one line):
     num_attention_heads divides hidden_size, num_key_value_heads divides
     num_attention_heads; num_experts_per_tok at most num_experts; fused is true or false
   memory: a run estimated to need more than --max-memory-gib (default {MAX_MEMORY_GIB:g})
-    GiB is refused (fp32 copies of the model per adapter and request scale, plus
-    LoRA buffers)
+    GiB is refused (fp32 copies of the model per adapter or mix and request scale,
+    plus LoRA buffers)
   --quantize int8/int4 need torchao, nf4/fp4 bitsandbytes (pip install torchao,
     pip install bitsandbytes); int4 needs hidden_size and intermediate_size
     multiples of {INT4_GROUP_SIZE}

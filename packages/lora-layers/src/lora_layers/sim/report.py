@@ -13,10 +13,10 @@ from .errors import UsageError
 from .quantize import QUANTIZATIONS, Quantization, quantized_layer_names
 from .run import SimRow
 from lora_core.testing.timing import Spread
-from .workload import Workload
+from .workload import Entry, Workload
 
-__all__ = ["format_compiled_decode", "format_devices", "format_header", "format_quantization", "format_requests",
-           "format_rows", "format_spread", "to_json", "write_plot"]
+__all__ = ["format_adapter", "format_compiled_decode", "format_devices", "format_header", "format_quantization",
+           "format_requests", "format_rows", "format_spread", "to_json", "write_plot"]
 
 
 def format_spread(spread: Spread, fmt: Callable[[float], str]) -> str:
@@ -73,13 +73,24 @@ def format_quantization(config: TinyConfig, quantization: Quantization) -> str:
             "dequantized weights")
 
 
+def format_adapter(entry: Entry) -> str:
+    """A request's adapter as the "requests" line shows it: its name, or a weighted mix as
+    ``(0.7 a + 0.4 b)`` (a mix of one adapter too: ``(0.7 a)``); ``base`` for none."""
+    if entry is None:
+        return "base"
+    return entry if isinstance(entry, str) else f"({' + '.join(f'{w:g} {name}' for name, w in entry)})"
+
+
 def format_requests(workload: Workload) -> str:
-    """The "requests" line: each prompt's tokens, adapter and request scale, in order
-    (``17 tok r8 x0.5``; ``base`` for a request on the base model, which has no delta to scale)."""
-    shown = [f"{n} tok {'base' if a is None else f'{a} x{s:g}'}"
+    """The "requests" line: each prompt's tokens, adapter or weighted mix and request scale, in order
+    (``17 tok r8 x0.5``, ``12 tok (0.7 a + 0.4 b) x0.8``; ``base`` for a request on the base model,
+    which has no delta to scale), and what a mix gets when the workload has one."""
+    shown = [f"{n} tok {'base' if a is None else f'{format_adapter(a)} x{s:g}'}"
              for n, a, s in zip(workload.prompt_lens, workload.adapters, workload.scales)]
-    return (f"requests (prompt tokens, adapter x request scale): {', '.join(shown)}; "
-            "each decode step rotates them by one request")
+    mixed = any(a is not None and not isinstance(a, str) for a in workload.adapters)
+    what = ("adapter or (weighted mix of adapters) x request scale" if mixed else "adapter x request scale")
+    gets = "; a mix's request gets scale * sum of weight * delta" if mixed else ""
+    return f"requests (prompt tokens, {what}): {', '.join(shown)}{gets}; each decode step rotates them by one request"
 
 
 def format_header(config: TinyConfig, adapters: Sequence[str], workload: Workload, rounds: int,
@@ -104,7 +115,9 @@ def format_header(config: TinyConfig, adapters: Sequence[str], workload: Workloa
 def to_json(config: TinyConfig, workload: Workload, rows: Sequence[SimRow], rounds: int,
             machine: Mapping[str, Any], quantization: Quantization = QUANTIZATIONS["none"]) -> dict[str, Any]:
     """The full results as a JSON-able document; ``workload`` has each prompt's length, adapter
-    (``null``: the base model) and request scale (``prompt_lens``, ``adapters``, ``scales``); each
+    (``null``: the base model; a weighted mix as ``[[name, weight], ...]``) and request scale
+    (``prompt_lens``, ``adapters``, ``scales``); each row has ``max_abs_error`` and each request's,
+    ``max_abs_error_by_request`` (by prompt); each
     timed figure carries its per-round ``samples`` and each row its raw per-round seconds
     (``details.seconds``). ``quantize`` says
     what base was served: ``{"name", "describe", "layers"}`` (the ``--quantize`` choice, what its

@@ -1,9 +1,9 @@
 """One backend x device row of ``lora-sim``, and the run over all of them.
 
 A row serves the workload through :class:`~lora_layers.MultiLoRA` on one backend
-and device, each request at its request scale, checks every output against the fp32
-reference with the request's adapter merged at that scale (:mod:`.reference`) at the
-fp32 tolerance of ``lora_core.testing.TOLERANCES``, relative to the outputs' magnitude
+and device, each request at its request scale (a weighted mix of adapters among them), checks
+every output against the fp32 reference with the request's adapter, or mix, merged at that scale
+(:mod:`.reference`) at the fp32 tolerance of ``lora_core.testing.TOLERANCES``, relative to the outputs' magnitude
 (:class:`~lora_layers.sim.reference.ScaledCheck`) (docs/layout.md), and times the model with LoRA against the base model in
 interleaved rounds (:mod:`lora_core.testing.timing`).
 """
@@ -33,10 +33,10 @@ from lora_core.testing import (
 from ..models import TinyConfig, TinyDecoder
 from .errors import UsageError
 from .quantize import QUANTIZATIONS, Quantization, dequantized_model, quantize_model
-from .reference import ScaledCheck, merged_reference_models, reference_keys, reference_logits
+from .reference import ReferenceKey, ScaledCheck, merged_reference_models, reference_keys, reference_logits
 from .serving import AdapterSources, build_multilora, load_adapters
 from lora_core.testing.timing import Interleaved, Spread, sync_device
-from .workload import Workload
+from .workload import Entry, Workload
 
 __all__ = ["COMPILE_BACKENDS", "ROUNDS", "SimRow", "check_compile_backend", "compile_backend_for", "run_row",
            "run_simulation"]
@@ -45,8 +45,8 @@ ROUNDS = 5
 """Timed rounds per phase (prefill, decode) by default."""
 COMPILE_BACKENDS = ("auto", "inductor", "aot_eager")
 """``--compile-backend`` choices: ``auto`` is :func:`~lora_core.testing.fastest_compile_backend`'s pick."""
-Request = tuple[str | None, float]
-"""A request of the workload: its adapter (``None``: the base model) and its request scale."""
+Request = tuple[Entry, float]
+"""A request of the workload: its adapter (``None``: the base model) or weighted mix, and its request scale."""
 
 
 def compile_backend_for(choice: str, device_type: str) -> tuple[str, str]:
@@ -95,6 +95,9 @@ class SimRow:
     compiled steps served; any recompile fails the row, so a row that ran has 1 and 0), and
     ``decode_tokens_per_s`` is the compiled step's. ``quantize`` is the ``--quantize`` choice
     the base model's decoder projections were served in (``"none"``: fp32).
+    ``max_abs_error`` is the largest absolute error of every output checked,
+    ``max_abs_error_by_request`` each request's (by prompt, the mixed request's among them) over the
+    outputs it had: its prefill row and its row of every decode step.
     """
 
     backend: str
@@ -103,6 +106,7 @@ class SimRow:
     reason: str = ""
     quantize: str = "none"
     max_abs_error: float | None = None
+    max_abs_error_by_request: list[float] | None = None
     tolerance: str = ""
     prefill_tokens_per_s: Spread | None = None
     decode_tokens_per_s: Spread | None = None
@@ -147,15 +151,17 @@ def _time_prefill(model: TinyDecoder, base_model: TinyDecoder, ids: torch.Tensor
                   want: torch.Tensor, rounds: int, sync: Callable[[], None],
                   check: ScaledCheck) -> tuple[torch.Tensor, Interleaved]:
     """A warm-up prefill of each model, then ``rounds`` interleaved rounds; returns the
-    LoRA model's warm-up logits and the timer. Each LoRA output is checked against ``want``."""
+    LoRA model's warm-up logits and the timer. Each LoRA output (a row per request, its last
+    token's) is checked against ``want``."""
     calls = {"lora": lambda: _forward_prefill(model, ids, last_rows),
              "base": lambda: _forward_prefill(base_model, ids, last_rows)}
     logits = calls["lora"]()
     calls["base"]()
-    check(logits, want)
+    order = list(range(len(last_rows)))
+    check(logits, want, order)
     timer = Interleaved(["lora", "base"], sync)
     for _ in range(rounds):
-        check(timer.round(calls)["lora"], want)
+        check(timer.round(calls)["lora"], want, order)
     return logits, timer
 
 
@@ -166,35 +172,38 @@ def _time_decode(steps: Mapping[str, Callable[[], torch.Tensor]], step_ids: torc
     """A warm-up step of each model, then ``rounds`` rounds of ``decode_steps`` greedy
     steps from ``first_ids`` (written into the static input ``step_ids``), the (adapter,
     scale) pairs of ``requests`` rotated by one request each step; the two models
-    interleaved step by step."""
+    interleaved step by step. Each output row is checked as its request's."""
     for fn in steps.values():
         fn()
     timer = Interleaved(["lora", "base"], sync)
     for _ in range(rounds):
         step_ids.copy_(first_ids)
-        rotated = list(requests)
+        order = list(range(len(requests)))  # row j of a step: request order[j]
         for _ in range(decode_steps):
-            rotated = rotated[1:] + rotated[:1]  # a different mix every step
+            order = order[1:] + order[:1]  # a different batch every step
+            rotated = [requests[i] for i in order]
             set_batch(rotated)
             out = timer.round(steps)["lora"]
-            check(out, want(step_ids.cpu(), rotated))
+            check(out, want(step_ids.cpu(), rotated), order)
             step_ids.copy_(out.argmax(-1))
     return timer
 
 
 def run_row(backend: str, device_name: str, config: TinyConfig, adapters: AdapterSources,
-            workload: Workload, references: Mapping[str | None, TinyDecoder], rounds: int = ROUNDS,
+            workload: Workload, references: Mapping[ReferenceKey, TinyDecoder], rounds: int = ROUNDS,
             compile_backend: str = "auto", quantization: Quantization = QUANTIZATIONS["none"]) -> SimRow:
     """Serve ``workload`` with ``backend`` on device ``device_name`` and check and time it.
 
-    Every batch gives each request's scale (``workload.scales``), so eager batches apply
-    them and graph mode takes them (``enable_graph(..., scales=True)``). Prefill (eager in
-    every mode), then ``rounds`` rounds of the LoRA and the base model, interleaved. Decode:
-    on graph devices the step is captured (on compile devices compiled) once, with the
-    batch in graph mode; then ``rounds`` rounds of ``workload.decode_steps`` greedy steps
-    from the prefill's tokens, a different mix of (adapter, scale) each step, the LoRA and
+    Every batch gives each request's adapter or weighted mix and its scale (``workload.adapters``,
+    ``workload.scales``), so eager batches apply them and graph mode takes them
+    (``enable_graph(..., scales=True, max_pairs=)``, ``max_pairs`` the decode batch's (token,
+    adapter) pairs, :meth:`Workload.pairs`, so the mix's pair rows fit). Prefill (eager in every
+    mode: its batch holds exactly its pairs), then ``rounds`` rounds of the LoRA and the base model,
+    interleaved. Decode: on graph devices the step is captured (on compile devices compiled) once,
+    with the batch in graph mode; then ``rounds`` rounds of ``workload.decode_steps`` greedy steps
+    from the prefill's tokens, a different order of (adapter, scale) each step, the LoRA and
     the base model interleaved step by step. Every timed output is checked against
-    ``references``, which must hold the merged model of every (adapter, scale) of the
+    ``references``, which must hold the merged model of every (adapter or mix, scale) of the
     workload (:func:`~lora_layers.sim.reference.merged_reference_models`). ``compile_backend``: see
     :func:`compile_backend_for`. ``quantization``: the base model's decoder projections are
     quantized on the host (:func:`~lora_layers.sim.quantize.quantize_model`) before it moves to
@@ -237,7 +246,7 @@ def run_row(backend: str, device_name: str, config: TinyConfig, adapters: Adapte
         first_ids = logits.argmax(-1)
         step_ids = first_ids.clone()
         if device.is_graph:
-            mlora.enable_graph(B, scales=True)
+            mlora.enable_graph(B, scales=True, max_pairs=workload.pairs([1] * B))
         mlora.set_batch([1] * B, adapters, scales)
         launches = count_launches(model, step_ids).ops
         step, verdict, compiled = (lambda: model(step_ids)), "eager", None
@@ -265,7 +274,7 @@ def run_row(backend: str, device_name: str, config: TinyConfig, adapters: Adapte
     seconds = {"prefill": prefill.samples,
                "decode_step": {k: _chunks(v, workload.decode_steps) for k, v in decode.samples.items()}}
     return SimRow(backend, device_name, "pass" if check.ok else "fail", quantize=quantization.name,
-                  max_abs_error=check.max_error,
+                  max_abs_error=check.max_error, max_abs_error_by_request=check.max_error_by_request,
                   tolerance=check.tolerance, launches_per_decode_step=launches, graph_safety=verdict,
                   compiled_decode=compiled, details={"rounds": rounds, "seconds": seconds},
                   **_figures(sum(lens), B, prefill.samples, seconds["decode_step"]))
@@ -278,7 +287,7 @@ def run_simulation(backends: Sequence[str], devices: Sequence[str], config: Tiny
     """One :func:`run_row` per backend x device, in that order; a row that raises
     ``ValueError``/``RuntimeError``/``TypeError`` becomes an ``"error"`` row.
 
-    The fp32 references are one model per (adapter, request scale) of ``workload`` and the
+    The fp32 references are one model per (adapter or mix, request scale) of ``workload`` and the
     unmerged one. ``quantization``: every row serves a base quantized with it, and the references are
     built from that base's dequantized weights (:func:`~lora_layers.sim.quantize.dequantized_model`).
 

@@ -16,7 +16,8 @@ from ..packing import LLAMA_PACKED_MODULES
 from ..targeting import name_parameter_targets
 
 __all__ = ["ATTENTION", "MAX_RANK", "MLP", "PROJECTIONS", "WHOLE_MODEL", "AdapterSources", "build_multilora",
-           "load_adapters", "module_path", "packed_modules", "packed_module_of", "saved_modules", "target_modules"]
+           "load_adapters", "module_path", "packed_modules", "packed_module_of", "saved_modules", "target_modules",
+           "unmixable"]
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
@@ -75,6 +76,13 @@ def saved_modules(adapters: AdapterSources) -> dict[str, int]:
         for name, w in adapter.saved_modules.items():
             saved[name] = max(saved.get(name, 0), w.weight.numel() + (0 if w.bias is None else w.bias.numel()))
     return saved
+
+
+def unmixable(adapters: AdapterSources) -> list[str]:
+    """The adapters that cannot be in a weighted mix of two or more, as :class:`~lora_layers.MultiLoRA`
+    refuses them: DoRA adapters (their norm is not linear in the delta) and adapters that train
+    modules whole (``modules_to_save``, which a mix cannot sum)."""
+    return [name for name, a in load_adapters(adapters).items() if a.use_dora or a.saved_modules]
 
 
 def build_multilora(model: nn.Module, config: TinyConfig, adapters: AdapterSources,
