@@ -11,12 +11,19 @@ Each round runs every variant once, the order rotating (``lora_core.testing.timi
 * ``a quarter mixed``: every fourth request a two-adapter mix (``{a: 0.6, b: 0.4}``) of its own
   adapter and the next one: one more (token, adapter) pair per token of those requests.
 
-For each phase the script also prints the issue's bound, ``(1 + extra / plain) * 1.10``: a mixed
-batch may cost its extra (token, adapter) pairs' FLOPs plus 10%. ``plain`` is the batch without mixes'
-multiply-accumulates (the base model's, counted by ``lora_core.testing.count_launches`` on the batch
-routed to the base model, plus each token's LoRA products at its slot's rank in every wrapped module),
-``extra`` the pair rows' LoRA products the same way: what the pairs need, not what a kernel's padding
-spends. Figures are each variant's time over ``one adapter each`` in the same round,
+For each phase the script also prints two readings of the issue's bound, "a mixed batch may cost
+its extra (token, adapter) pairs' FLOPs plus 10%":
+
+* ``FLOPs``: ``(1 + extra / (base + lora)) * 1.10``, the pairs' share of the forward's multiply-
+  accumulates, as if every product ran at one speed;
+* ``LoRA time``: ``1 + share * extra / lora + 0.10``, the pairs' share of the LoRA products at the
+  speed the LoRA ops run (``share``: the LoRA ops' share of the batch without mixes' time, from a
+  third variant, ``base model``, the batch routed to the base model).
+
+``base`` is the base model's multiply-accumulates (``lora_core.testing.count_launches``), ``lora`` the
+batch without mixes' LoRA products and ``extra`` the pair rows', each token at its slot's rank in every
+wrapped module: what the rows need, not what a kernel's padding spends.
+Figures are each variant's time over ``one adapter each`` in the same round,
 as the median over rounds with its min-max spread. The outputs are checked first: the rows of
 requests without a mix equal the batch without mixes, and a mixed request's rows differ from its
 first adapter's alone.
@@ -47,7 +54,7 @@ SIZES = {
 }
 SHAPES = {"default": {"decode": (32, 1), "prefill": (8, 32)}, "smoke": {"decode": (8, 1), "prefill": (4, 5)}}
 BACKENDS = ("torch_native", "ascend")
-VARIANTS = ("one adapter each", "a quarter mixed")
+VARIANTS = ("base model", "one adapter each", "a quarter mixed")
 WEIGHTS = (0.6, 0.4)
 
 
@@ -85,14 +92,16 @@ def lora_macs_per_token(mlora: MultiLoRA) -> dict[str, int]:
     return macs
 
 
-def bound(model, mlora, lens, plain, mixed, ids) -> float:
-    """``(1 + extra / plain) * 1.10``: the time a quarter-mixed batch may take, relative to the batch without mixes."""
+def mac_counts(model, mlora, lens, plain, mixed, ids) -> tuple[int, int, int]:
+    """``(base, lora, extra)`` multiply-accumulates: the base model's forward (counted on the batch routed
+    to the base model), the LoRA products of the batch without mixes, and those of the mixed batch's
+    pair rows (each at its slot's rank in every wrapped module: what the pairs need, not a kernel's padding)."""
     base = count_launches(lambda: forward(model, mlora, lens, [None] * len(lens), ids)).matmul_macs
     per_token = lora_macs_per_token(mlora)
-    plain_macs = base + sum(n * per_token[a] for n, a in zip(lens, plain) if a is not None)
+    lora = sum(n * per_token[a] for n, a in zip(lens, plain) if a is not None)
     extra = sum(n * per_token[name] for n, entry in zip(lens, mixed) if isinstance(entry, dict)
                 for name in list(entry)[1:])
-    return (1 + extra / plain_macs) * 1.10
+    return base, lora, extra
 
 
 def forward(model, mlora, lens, adapters, ids, scales=None):
@@ -122,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     size = "smoke" if args.smoke else "default"
     rounds = 3 if args.smoke else args.rounds
     load = os.getloadavg()[0]
-    results, bounds = {}, {}
+    results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for backend in BACKENDS:
             model, mlora, names = build(SIZES[size], Path(tmp) / backend, backend)
@@ -132,28 +141,38 @@ def main(argv: list[str] | None = None) -> int:
                 ids = torch.randint(0, model.config.vocab_size, (requests * length,),
                                     generator=torch.Generator().manual_seed(1))
                 check(model, mlora, lens, plain, mixed, ids)
-                calls = {"one adapter each": lambda a=plain: forward(model, mlora, lens, a, ids),
+                base_macs, lora_macs, extra_macs = mac_counts(model, mlora, lens, plain, mixed, ids)
+                calls = {"base model": lambda: forward(model, mlora, lens, [None] * requests, ids),
+                         "one adapter each": lambda a=plain: forward(model, mlora, lens, a, ids),
                          "a quarter mixed": lambda a=mixed: forward(model, mlora, lens, a, ids)}
-                bounds[(backend, phase)] = bound(model, mlora, lens, plain, mixed, ids)
                 for call in calls.values():
                     call()  # warm up: batches built and cached, plans made
                 timer = Interleaved(VARIANTS)
                 repeats = 3 if args.smoke else 20
                 for _ in range(rounds):
                     timer.round({name: (lambda c=call: [c() for _ in range(repeats)]) for name, call in calls.items()})
-                base = timer.samples["one adapter each"]
-                results[(backend, phase)] = Spread.of([s / b for s, b in zip(timer.samples["a quarter mixed"], base)])
+                base, plain_t, mixed_t = (timer.samples[name] for name in VARIANTS)
+                share = Spread.of([(p - b) / p for p, b in zip(plain_t, base)]).median
+                results[(backend, phase)] = {
+                    "ratio": Spread.of([m / p for m, p in zip(mixed_t, plain_t)]),
+                    "lora_share": share,
+                    "extra_lora": extra_macs / lora_macs,
+                    "flops_bound": (1 + extra_macs / (base_macs + lora_macs)) * 1.10,
+                    "lora_time_bound": 1 + share * extra_macs / lora_macs + 0.10,
+                }
     info = machine_info()
     print(f"bench_request_mixes: {info['cpu']} ({info['cpu_count']} cores), torch {info['torch']}, {threads} "
           f"threads; load average {load:.2f} before the run; {rounds} rounds")
-    for (backend, phase), spread in results.items():
+    for (backend, phase), r in results.items():
         requests, length = SHAPES[size][phase]
         print(f"{backend}, {phase} ({requests} x {length} tokens), a quarter mixed / one adapter each: "
-              f"{format_spread(spread, '{:.3f}')}; bound {bounds[(backend, phase)]:.3f}")
+              f"{format_spread(r['ratio'], '{:.3f}')}; bounds: FLOPs {r['flops_bound']:.3f}, LoRA time "
+              f"{r['lora_time_bound']:.3f} (LoRA {r['lora_share']:.0%} of the time, pairs +{r['extra_lora']:.0%} "
+              f"of its MACs)")
     if args.json:
         Path(args.json).write_text(json.dumps({"machine": info, "load": load, "rounds": rounds, "results": {
-            f"{backend}/{phase}": {"ratio": vars(s), "bound": bounds[(backend, phase)]}
-            for (backend, phase), s in results.items()}}, indent=2))
+            f"{backend}/{phase}": {**r, "ratio": vars(r["ratio"])} for (backend, phase), r in results.items()}},
+            indent=2))
     return 0
 
 

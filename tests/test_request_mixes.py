@@ -249,7 +249,9 @@ def test_the_request_mixes_benchmark_checks_then_times_both_backends(capsys, tmp
     assert bench.main(["--smoke", "--json", str(tmp_path / "r.json")]) == 0
     out = capsys.readouterr().out
     assert re.search(r"^ascend, decode \(8 x 1 tokens\), a quarter mixed / one adapter each: \d\.\d{3} \(.*; "
-                     r"bound 1\.\d{3}$", out, re.M), out
+                     r"bounds: FLOPs 1\.\d{3}, LoRA time 1\.\d{3} \(LoRA -?\d+% of the time, pairs \+\d+% of its "
+                     r"MACs\)$", out, re.M), out
     results = json.loads((tmp_path / "r.json").read_text())["results"]
     assert set(results) == {f"{b}/{p}" for b in ("torch_native", "ascend") for p in ("decode", "prefill")}
-    assert all(len(r["ratio"]["samples"]) == 3 and 1.1 < r["bound"] < 2 for r in results.values())
+    assert all(len(r["ratio"]["samples"]) == 3 and 1.1 < r["flops_bound"] < 2 and 0 < r["extra_lora"] < 1
+               for r in results.values())
