@@ -29,6 +29,7 @@ requests without a mix equal the batch without mixes, and a mixed request's rows
 first adapter's alone.
 
     python examples/bench_request_mixes.py              # 9 rounds
+    python examples/bench_request_mixes.py --wide       # hidden 1024: the base model's share grows
     python examples/bench_request_mixes.py --smoke      # tiny sizes: a check that it runs
 """
 
@@ -50,9 +51,11 @@ from lora_layers.sim.adapters import make_synthetic_adapters
 
 SIZES = {
     "default": dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=4),
+    "wide": dict(vocab_size=2048, hidden_size=1024, intermediate_size=2816, num_hidden_layers=4),
     "smoke": dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2),
 }
 SHAPES = {"default": {"decode": (32, 1), "prefill": (8, 32)}, "smoke": {"decode": (8, 1), "prefill": (4, 5)}}
+SHAPES["wide"] = SHAPES["default"]
 BACKENDS = ("torch_native", "ascend")
 VARIANTS = ("base model", "one adapter each", "a quarter mixed")
 WEIGHTS = (0.6, 0.4)
@@ -126,9 +129,10 @@ def check(model, mlora, lens, plain, mixed, ids) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = benchmark_parser("bench_request_mixes", __doc__.splitlines()[0])
+    parser.add_argument("--wide", action="store_true", help="a wider model: hidden 1024, intermediate 2816, vocab 2048")
     args = parser.parse_args(argv)
     threads = apply_threads(args.threads)
-    size = "smoke" if args.smoke else "default"
+    size = "smoke" if args.smoke else "wide" if args.wide else "default"
     rounds = 3 if args.smoke else args.rounds
     load = os.getloadavg()[0]
     results = {}
@@ -162,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
                 }
     info = machine_info()
     print(f"bench_request_mixes: {info['cpu']} ({info['cpu_count']} cores), torch {info['torch']}, {threads} "
-          f"threads; load average {load:.2f} before the run; {rounds} rounds")
+          f"threads; load average {load:.2f} before the run; {rounds} rounds; model {SIZES[size]}")
     for (backend, phase), r in results.items():
         requests, length = SHAPES[size][phase]
         print(f"{backend}, {phase} ({requests} x {length} tokens), a quarter mixed / one adapter each: "
