@@ -28,7 +28,6 @@ and compiled, on every device parameter (tests/test_request_mixes.py).
 
 import copy
 import importlib.util
-import re
 import warnings
 from pathlib import Path
 
@@ -40,7 +39,6 @@ peft = pytest.importorskip("peft", reason="needs peft (tests/requirements.txt)")
 
 from lora_core import available_backends  # noqa: E402
 from lora_core.testing import TOLERANCES  # noqa: E402
-from lora_layers import MultiLoRA  # noqa: E402
 
 
 def _sibling(name):
@@ -52,6 +50,7 @@ def _sibling(name):
 
 
 scaled = _sibling("test_request_scales_transformers")  # models, adapters, inputs, _rel, _serve
+ops = _sibling("test_request_scales")  # doc_example_namespace
 hf, dora, saved = scaled.hf, scaled.dora, scaled.saved
 
 BACKENDS = available_backends()
@@ -297,58 +296,8 @@ def test_a_mixtral_experts_mix_equals_the_base_model_with_its_adapters_merged_at
 
 
 def test_the_example_of_request_mixes_md_runs(tmp_path):
-    """docs/request-mixes.md's block, on a tiny Llama with two PEFT adapters named as there; the mixed
-    row differs from either adapter alone."""
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=64, pad_token_id=0)).eval()
-    for name in ("style", "math"):
-        peft.get_peft_model(copy.deepcopy(model), peft.LoraConfig(
-            r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)).save_pretrained(str(tmp_path / name))
-    mlora = MultiLoRA.from_adapters(model, {"style": tmp_path / "style", "math": tmp_path / "math"})
-    root = Path(__file__).resolve().parents[1]
-    (code,) = re.findall(r"```python\n(.*?)```", (root / "docs" / "request-mixes.md").read_text(), re.S)
-    namespace = {"model": model, "mlora": mlora, "input_ids": torch.randint(3, 64, (3, 4)), "torch": torch}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        exec(compile(code, "docs/request-mixes.md", "exec"), namespace)
+    """docs/request-mixes.md's block, on a tiny Llama with two PEFT adapters named as there: it runs, and
+    its graph batch holds the pairs it asked for."""
+    namespace = ops.doc_example_namespace(tmp_path, "request-mixes.md")
     assert namespace["out"].shape == (3, 12)
-    assert mlora.backend.batch_info.pair_capacity == 32
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_a_mixtral_graph_captured_with_one_batch_of_mixes_replays_another_as_eager_and_merged(device, backend,
-                                                                                              tmp_path):
-    """The experts' pair rows in graph mode: captured (or compiled) with batch A, run with batch B (other
-    mixes and split); each equals its eager forward, whose rows equal the merged-weights oracle above."""
-    if device.is_graph and device.name != "cpu-graphsim" and backend != "torch_native":
-        pytest.skip("compiled and on hardware: one backend")
-    moe = scaled.moe
-    base = moe._base_model("mixtral")
-    for name in moe.ADAPTERS:
-        moe._save_adapter("mixtral", base, name, tmp_path / name)
-    paths = {name: tmp_path / name for name in moe.ADAPTERS}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        merged = {name: peft.PeftModel.from_pretrained(copy.deepcopy(base), str(path)).merge_and_unload().state_dict()
-                  for name, path in paths.items()}
-    a = ([5, 5, 5, 5], [{"sql": 0.4, "math": 1.3}, None, "chat", [("math", 0.5), ("chat", 0.5), ("sql", 1.0)]],
-         [1.0, 1.0, 1.7, 0.6])  # 5 + 10 pair rows
-    b = ([10, 5, 5], [{"chat": 0.9, "sql": 0.2}, "math", {"sql": 1.5}], [1.0, 2.0, 0.7])  # 10
-    T = GRAPH_ROWS * GRAPH_LEN
-    ids = torch.randint(3, base.config.vocab_size, (GRAPH_ROWS, GRAPH_LEN), generator=torch.Generator().manual_seed(2))
-    model, mlora = scaled._serve(base, paths, backend, device.torch_device)
-    eager, outs = device.eager_and_replayed(
-        lambda i: model(input_ids=i, use_cache=False).logits, [ids.to(device.torch_device)],
-        lambda: mlora.set_batch(*a), lambda: mlora.set_batch(*b), lambda: mlora.enable_graph(T, max_pairs=T + 15))
-    rtol, atol = TOLERANCES[torch.float32]
-    for out, expected, batch in zip(outs, eager, (a, b), strict=True):
-        expected = expected.cpu()
-        torch.testing.assert_close(out.cpu(), expected, rtol=rtol, atol=atol)
-        rows = [(e, s) for k, e, s in zip(*batch) for _ in range(k // GRAPH_LEN)]
-        for row, (entry, scale) in enumerate(rows):
-            names, weights = _weighted(entry, scale) if entry is not None else ((), ())
-            with torch.no_grad():
-                want = _merged_mix(base, merged, dict(zip(names, weights)))(input_ids=ids, use_cache=False).logits
-            assert scaled._rel(expected[row], want[row]) <= 1e-4, (row, entry)
+    assert namespace["mlora"].backend.batch_info.pair_capacity == 32
