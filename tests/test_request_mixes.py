@@ -16,15 +16,16 @@ import pytest
 import torch
 
 from lora_core import available_backends, build_batch_info, get_backend
-from lora_core.testing import random_linear_weights
+from lora_core.reference import reference_lm_head
+from lora_core.testing import assert_close_to_reference, random_embedding_weights, random_linear_weights
 
 BACKENDS = available_backends()
 
 
 @pytest.mark.parametrize("backend_name", BACKENDS)
 def test_a_mix_equals_the_sum_of_its_adapters_run_one_by_one(backend_name):
-    """The mix's definition, checked without the reference: a request ``{0: 0.7, 1: 0.3}`` gets
-    ``0.7 * delta_0 + 0.3 * delta_1``, each delta from a batch of that slot alone at that scale."""
+    """The mix's definition, checked without the reference: a request ``{0: 0.7, 1: 0.3}`` at scale 2 gets
+    ``2 * (0.7 * delta_0 + 0.3 * delta_1)``, each delta from a batch of that slot alone at that scale."""
     gen = torch.Generator().manual_seed(3)
     ranks = [4, 8]
     a, b, offsets = random_linear_weights(gen, num_slots=2, max_rank=8, in_features=16, slice_widths=[12, 8],
@@ -36,8 +37,8 @@ def test_a_mix_equals_the_sum_of_its_adapters_run_one_by_one(backend_name):
         backend.prepare_batch(build_batch_info([3, 2], slot_ids, ranks, [2.0, 0.5], device="cpu", scales=scales))
         return backend.run_packed(x, a, b, offsets, base.clone()) - base
 
-    mixed = delta([{0: 0.7, 1: 0.3}, [(1, 1.5), (0, 0.5)]])
-    one_by_one = delta([0, 1], [0.7, 1.5]) + delta([1, 0], [0.3, 0.5])
+    mixed = delta([{0: 0.7, 1: 0.3}, [(1, 1.5), (0, 0.5)]], [2.0, 0.4])  # request scales on top of the weights
+    one_by_one = delta([0, 1], [1.4, 0.6]) + delta([1, 0], [0.6, 0.2])
     torch.testing.assert_close(mixed, one_by_one, rtol=1e-5, atol=1e-5)
 
 
@@ -52,10 +53,14 @@ def test_a_mix_equals_the_sum_of_its_adapters_run_one_by_one(backend_name):
     ([[0, 1], 0], r"slot_ids\[0\] \(request 0\): a mix is \{slot: weight\} or \[\(slot, weight\), \.\.\.\], got "
                   r"the entry 0"),
     ([0, "a"], r"slot_ids\[1\] must be None, -1, a slot in \[0, 2\) or a weighted mix \{slot: weight\}, got 'a'"),
+    ([0, {0: 3e38, 1: 1.0}], r"slot_ids\[1\] \(request 1\): its scale times a mix weight, 9\.000e\+38, is not finite "
+                            r"in float32"),
+    ([0, {1: 1.0, 0: 3e38}], r"slot_ids\[1\] \(request 1\): its scale times a mix weight, 9\.000e\+38, is not finite "
+                            r"in float32"),
 ])
 def test_bad_mixes_are_refused_naming_the_request(slot_ids, message):
     with pytest.raises(ValueError, match=f"^{message}"):
-        build_batch_info([2, 3], slot_ids, [4, 4], [1.0, 1.0], device="cpu")
+        build_batch_info([2, 3], slot_ids, [4, 4], [1.0, 1.0], device="cpu", scales=[1.0, 3.0])
 
 
 def test_a_graph_batch_holds_mixes_up_to_its_pair_capacity():
@@ -97,3 +102,59 @@ def test_the_request_mixes_benchmark_checks_then_times_both_backends(capsys, tmp
     assert set(results) == {f"{b}/{p}" for b in ("torch_native", "ascend") for p in ("decode", "prefill")}
     assert all(len(r["ratio"]["samples"]) == 3 and 1.1 < r["flops_bound"] < 2 and 0 < r["extra_lora"] < 1
                for r in results.values())
+
+
+def test_a_graph_batch_without_scales_refuses_a_mixs_weights_naming_the_request():
+    graph = build_batch_info([4], [0], [4, 4], [1.0, 1.0], device="cpu", use_graph=True, max_tokens=8)
+    graph.refill([2, 2], [{0: 1.0}, 1])  # weight 1: no scale to apply
+    with pytest.raises(ValueError, match=r"^slot_ids\[1\] \(request 1\): a mix's weights are request scales, which a "
+                                         r"graph-mode batch applies only when built with with_scales=True \(MultiLoRA: "
+                                         r"enable_graph\(\.\.\., scales=True\) or max_pairs=\)$"):
+        graph.refill([2, 2], [0, {1: 0.5}])
+    with pytest.raises(ValueError, match=r"^slot_ids\[0\] \(request 0\): a mix's weights are request scales"):
+        build_batch_info([4], [{0: 0.5}], [4, 4], [1.0, 1.0], device="cpu", use_graph=True, max_tokens=8)
+
+
+@pytest.mark.parametrize("backend_name", BACKENDS)
+def test_a_mixed_batch_checks_its_rows_before_gathering_them_and_names_bad_ids_in_the_callers_terms(backend_name):
+    gen = torch.Generator().manual_seed(0)
+    a, b, offsets = random_linear_weights(gen, num_slots=2, max_rank=4, in_features=8, slice_widths=[6],
+                                          lora_ranks=[4, 2], dtype=torch.float32, device="cpu")
+    backend = get_backend(backend_name)("cpu", strict_token_ids=True)
+    backend.prepare_batch(build_batch_info([3, 2], [{0: 0.5, 1: 0.5}, 1], [4, 2], [1.0, 1.0], device="cpu"))
+    for rows in (4, 7):
+        with pytest.raises(ValueError, match=rf"^x has {rows} rows but the batch info was built for 5 tokens "
+                                             r"\(seq_lens = \[3, 2\]\)$"):
+            backend.run_lora_a(torch.randn(rows, 8), a)
+    shrunk = backend.run_lora_a(torch.randn(5, 8), a)
+    assert shrunk.shape == (8, 4)  # 5 token rows, 3 pair rows
+    with pytest.raises(ValueError, match=r"^x has 5 rows; a shrink of this batch gives 8: its token rows and the pair "
+                                         r"rows of its mixes \(pass the shrink's output\)$"):
+        backend.run_lora_b(shrunk[:5], b, offsets)
+    with pytest.raises(ValueError, match=r"^base_output has 4 rows but the batch info was built for 5 tokens"):
+        backend.run_lora_b(shrunk, b, offsets, torch.zeros(4, 6))
+    ea, _ = random_embedding_weights(gen, num_slots=2, max_rank=4, vocab_total=10, embedding_dim=6, lora_ranks=[4, 2],
+                                     dtype=torch.float32, device="cpu")
+    with pytest.raises(ValueError, match=r"^token ids outside the vocabulary \[0, 10\): ids\[1\] = 12, ids\[4\] = -1$"):
+        backend.run_lora_a_embedding(torch.tensor([0, 12, 3, 4, -1]), ea, 10)
+
+
+@pytest.mark.parametrize("backend_name", BACKENDS)
+def test_a_graph_batch_with_pair_rows_follows_new_adapters_in_its_lm_head_rows_too(backend_name):
+    """Loading an adapter into a slot (``set_adapters``) reaches the pair rows of the batch and of its
+    pruned LM-head view: both equal a batch built with the new ranks and scalings."""
+    gen = torch.Generator().manual_seed(1)
+    a, b, _ = random_linear_weights(gen, num_slots=2, max_rank=4, in_features=8, slice_widths=[6],
+                                    lora_ranks=[4, 4], dtype=torch.float32, device="cpu")
+    weight, hidden = torch.randn(6, 8, generator=gen), torch.randn(5, 8, generator=gen)
+    backend = get_backend(backend_name)("cpu")
+    graph = build_batch_info([5], [None], [4, 4], [1.0, 1.0], device="cpu", use_graph=True, max_tokens=5,
+                             with_scales=True, max_pairs=10)
+    graph.refill([3, 2], [{0: 1.0, 1: 1.0}, 0])
+    backend.prepare_batch(graph)
+    graph.set_adapters([2, 4], [1.0, 3.0])
+    want = build_batch_info([3, 2], [{0: 1.0, 1: 1.0}, 0], [2, 4], [1.0, 3.0], device="cpu")
+    for pruned, rows in ((False, 5), (True, 2)):
+        got = backend.run_lm_head(hidden[:rows] if pruned else hidden, a, b, hidden[:rows] @ weight.T, pruned=pruned)
+        expected = reference_lm_head(hidden[:rows], weight, a, b, want, pruned)
+        assert_close_to_reference(got[:rows], expected, torch.float32)

@@ -7,7 +7,8 @@ from typing import Sequence
 import torch
 
 from .batch_info import BatchInfo
-from .batch_requests import MAX_TOKENS, Mix, check_capacity, validate_adapters, validate_requests
+from .batch_requests import (MAX_TOKENS, Mix, check_capacity, scales_need_with_scales, validate_adapters,
+                             validate_requests)
 from .checks import check_bool, check_device, check_int, is_int
 from .pair_rows import check_pair_capacity
 
@@ -74,8 +75,7 @@ def build_batch_info(
         check_capacity(requests, max_tokens)
         check_pair_capacity(requests, max_pairs - max_tokens, max_tokens)
         if requests.scales is not None and not with_scales:
-            raise ValueError("scales: a graph-mode batch applies request scales only when built with "
-                             "with_scales=True (its captured ops must hold the multiply)")
+            raise ValueError(scales_need_with_scales(requests, scales, built=False))
     device = check_device("device", device)
     info = BatchInfo(requests, ranks, slot_scalings, device=device, use_graph=use_graph, capacity=max_tokens,
                      max_rank=max_rank, with_scales=with_scales,

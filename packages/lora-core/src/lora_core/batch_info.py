@@ -38,7 +38,8 @@ from typing import Sequence, TypeVar
 import numpy as np
 import torch
 
-from .batch_requests import Requests, check_capacity, merge_segments, validate_adapters, validate_requests
+from .batch_requests import (Requests, check_capacity, merge_segments, scales_need_with_scales, validate_adapters,
+                             validate_requests)
 from .checks import allocating, check_bool
 from .graphs import is_capturing
 from .lm_head_rows import LMHeadRows
@@ -272,8 +273,7 @@ class BatchInfo:
         check_capacity(requests, self.capacity)
         check_pair_capacity(requests, self.pair_capacity, self.capacity)
         if requests.scales is not None and not self.with_scales:
-            raise ValueError("scales: this graph-mode batch was built without request scales, so its captured ops "
-                             "do not apply them; build it with with_scales=True")
+            raise ValueError(scales_need_with_scales(requests, scales, built=True))
         self._publish_batch(requests)
         self._changed(adapters_changed=False)
 
@@ -315,6 +315,8 @@ class BatchInfo:
         self._lora_ranks, self._scalings = tuple(lora_ranks), tuple(scalings)
         self._slot_ranks_scalings = None
         self.plans.batch_changed()
+        if self._pairs is not None:  # the pair rows' slots are these slots (an LM-head view's too)
+            self._pairs.set_adapters(self._lora_ranks, self._scalings)
 
     def _publish_batch(self, requests: Requests) -> None:
         seg_lens, seg_slots = merge_segments(requests)
@@ -365,8 +367,6 @@ class BatchInfo:
     def _changed(self, *, adapters_changed: bool) -> None:
         """The batch or its adapters were republished: refill the plans, then the LM-head rows."""
         self.plans.refill(self)
-        if adapters_changed and self._pairs is not None:
-            self._pairs.set_adapters(self._lora_ranks, self._scalings)
         if self._lm_head is not None and not self._lm_head.follow(self, adapters_changed=adapters_changed):
             self._lm_head = None
 

@@ -15,7 +15,8 @@ from .batch_info import BatchInfo
 from .checks import check_device
 from .plans import BatchPlan
 from .request_scales import apply_request_scales
-from .validation import check_added_token_inputs, check_experts_lora_inputs, normalize_slice_offsets
+from .validation import (check_added_token_inputs, check_experts_lora_inputs, check_num_tokens, check_token_ids,
+                         normalize_slice_offsets)
 
 __all__ = ["BatchInfoBackend"]
 
@@ -23,13 +24,15 @@ Shrink = Callable[[BatchInfo, tuple[torch.Tensor, ...]], torch.Tensor]
 Expand = Callable[[BatchInfo, torch.Tensor, tuple[torch.Tensor, ...], torch.Tensor | None], torch.Tensor]
 
 
-def shrink_rows(info: BatchInfo, inputs: tuple[torch.Tensor, ...], shrink: Shrink) -> torch.Tensor:
+def shrink_rows(info: BatchInfo, inputs: tuple[torch.Tensor, ...], shrink: Shrink, name: str = "x") -> torch.Tensor:
     """``shrink(batch, inputs)``, its rows scaled by their request scales: over ``info``'s token rows
     or, when the batch has pair rows (weighted mixes), over its rows with pair rows
-    (:mod:`lora_core.pair_rows`), on the inputs gathered by their token rows: ``(T + P, ...)``."""
+    (:mod:`lora_core.pair_rows`), on the inputs gathered by their token rows: ``(T + P, ...)``.
+    ``name``: what the first input is called in an error."""
     pairs = info.pairs
     if pairs is None:
         return apply_request_scales(shrink(info, inputs), info)
+    check_num_tokens(info, inputs[0].shape[0], name)  # before the gather reads rows by index
     gathered = tuple(t.index_select(0, pairs.token_rows) for t in inputs)
     return apply_request_scales(shrink(pairs.view, gathered), pairs.view)
 
@@ -42,6 +45,12 @@ def expand_rows(info: BatchInfo, shrunk: torch.Tensor, inputs: tuple[torch.Tenso
     pairs = info.pairs
     if pairs is None:
         return expand(info, shrunk, inputs, base_output)
+    rows = pairs.view.num_tokens
+    if shrunk.shape[0] != rows:
+        raise ValueError(f"x has {shrunk.shape[0]} rows; a shrink of this batch gives {rows}: its token rows and the "
+                         f"pair rows of its mixes (pass the shrink's output)")
+    if base_output is not None:
+        check_num_tokens(info, base_output.shape[0], "base_output")
     gathered = tuple(t.index_select(0, pairs.token_rows) for t in inputs)
     delta = expand(pairs.view, shrunk, gathered, None)
     if base_output is None:
@@ -128,8 +137,10 @@ class BatchInfoBackend(LoRABackend):
         return self._linear_expand(view, shrunk, b_weights, (0, b_weights.shape[1]), base_output)
 
     def run_lora_a_embedding(self, ids, weights, vocab_size, extra_embeddings=None) -> torch.Tensor:
+        if self.strict_token_ids and self.batch_info.pairs is not None:  # positions in the caller's ids
+            check_token_ids(ids, vocab_size + (0 if extra_embeddings is None else extra_embeddings.shape[1]))
         return shrink_rows(self.batch_info, (ids,), lambda info, inputs: self.embedding_shrink(
-            inputs[0], weights, info, vocab_size, extra_embeddings))
+            inputs[0], weights, info, vocab_size, extra_embeddings), "ids")
 
     def run_added_tokens(self, ids, extra_embeddings, vocab_size, base_output, scale=1.0) -> torch.Tensor:
         check_added_token_inputs(ids, extra_embeddings, self.batch_info, vocab_size, base_output)

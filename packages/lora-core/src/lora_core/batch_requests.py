@@ -25,8 +25,8 @@ import torch
 
 from .checks import FLOAT32_MAX, are_plain_ints, check_finite_float, check_int, is_int, plain_int_array
 
-__all__ = ["MAX_TOKENS", "Mixes", "Requests", "check_capacity", "merge_segments", "validate_adapters",
-           "validate_requests", "validate_scales"]
+__all__ = ["MAX_TOKENS", "Mixes", "Requests", "check_capacity", "merge_segments", "scales_need_with_scales",
+           "validate_adapters", "validate_mix", "validate_requests", "validate_scales"]
 
 MAX_TOKENS = 2**31 - 1
 """The most tokens a batch can hold: token and segment offsets are int32 on the device."""
@@ -238,12 +238,12 @@ def _requests_with_mixes(lens: np.ndarray, slots: Sequence, num_slots: int, tota
                              f"{{slot: weight}}, got {entry!r}")
     request_scales = validate_scales(scales, len(lens))
     base = np.ones(len(lens)) if request_scales is None else request_scales.astype(np.float64)
-    main_scales = base * np.array(first_weights)
+    main_scales = _finite_products(base, np.array(first_weights), np.arange(len(lens)))
     mixes = None
     if mixed:
         requests, mix_slots, weights = (np.array(column) for column in zip(*mixed))
         mixes = Mixes(requests.astype(np.int64), mix_slots.astype(np.int64),
-                      (weights * base[requests]).astype(np.float32))
+                      _finite_products(base[requests], weights, requests).astype(np.float32))
     return Requests(lens, np.array(main, dtype=np.int64), total, min_len, max_len,
                     None if (main_scales == 1).all() else main_scales.astype(np.float32), mixes)
 
@@ -287,6 +287,32 @@ def validate_adapters(
         if max_rank is not None and rank > max_rank:
             raise ValueError(f"lora_ranks[{slot}] = {rank} exceeds max_rank = {max_rank}")
     return tuple(ranks), _finite_float32_values(scales)
+
+
+def _finite_products(scales: np.ndarray, weights: np.ndarray, requests: np.ndarray) -> np.ndarray:
+    """``scales * weights`` (float64), each finite in float32, or ``ValueError`` naming the first request
+    whose scale times a mix weight is not."""
+    products = scales * weights
+    bad = np.flatnonzero(products > FLOAT32_MAX)
+    if bad.size:
+        i = int(requests[bad[0]])
+        raise ValueError(f"slot_ids[{i}] (request {i}): its scale times a mix weight, {products[bad[0]]:.3e}, "
+                         "is not finite in float32")
+    return products
+
+
+def scales_need_with_scales(requests: Requests, scales: Sequence[float] | None, built: bool) -> str:
+    """The refusal of ``requests``' scales by a graph-mode batch without request scales: naming the option,
+    and the request when the scales come from a mix's weights rather than from ``scales``."""
+    if validate_scales(scales, len(requests.lens)) is None:  # none given: a mix's weight is the scale
+        i = int(np.flatnonzero(requests.scales != 1)[0])
+        return (f"slot_ids[{i}] (request {i}): a mix's weights are request scales, which a graph-mode batch applies "
+                "only when built with with_scales=True (MultiLoRA: enable_graph(..., scales=True) or max_pairs=)")
+    if built:
+        return ("scales: this graph-mode batch was built without request scales, so its captured ops do not apply "
+                "them; build it with with_scales=True")
+    return ("scales: a graph-mode batch applies request scales only when built with with_scales=True (its captured "
+            "ops must hold the multiply)")
 
 
 def check_capacity(requests: Requests, capacity: int) -> None:
