@@ -1,15 +1,18 @@
 """What weighted adapter mixes cost (issue #40): a decode step and a prefill with and without them, side by side.
 
-lora-layers' ``TinyDecoder`` (Llama-shaped: hidden 256, 4 layers) serves lora-sim's four synthetic
+lora-layers' ``TinyDecoder`` (Llama-shaped: hidden 256, intermediate 512, vocab 512, 4 layers, unfused
+projections; lora-sim's default model is the same width with 2 layers) serves lora-sim's four synthetic
 PEFT adapters (ranks 8, 16, 32 and 64, one with rsLoRA, one on the embedding and LM head too),
 eagerly, on a decode batch of 32 one-token requests and a prefill of 8 requests of 32 tokens
-(every fifth request on the base model), with the ``torch_native`` and ``ascend`` backends.
+(every fifth request on the base model, except the mixed ones), with the ``torch_native`` and ``ascend``
+backends.
 Each round runs every variant once, the order rotating (``lora_core.testing.timing``):
 
 * ``one adapter each``: every request on one adapter (or the base model), which the figures are
   relative to;
-* ``a quarter mixed``: every fourth request a two-adapter mix (``{a: 0.6, b: 0.4}``) of its own
-  adapter and the next one: one more (token, adapter) pair per token of those requests.
+* ``a quarter mixed``: every fourth request (8 of 32 at decode, 2 of 8 at prefill) a two-adapter mix
+  (``{a: 0.6, b: 0.4}``) of its own adapter and the next one: one more (token, adapter) pair per
+  token of those requests.
 
 For each phase the script also prints two readings of the issue's bound, "a mixed batch may cost
 its extra (token, adapter) pairs' FLOPs plus 10%":
@@ -71,10 +74,11 @@ def build(sizes: dict, tmp: Path, backend: str) -> tuple[TinyDecoder, MultiLoRA,
 
 
 def batches(names: list[str], requests: int) -> tuple[list, list]:
-    """The adapters of ``one adapter each`` and of ``a quarter mixed`` (request 1, 5, 9, ...: a mix
-    of its adapter and the next one)."""
-    plain = [None if i % 5 == 0 else names[i % len(names)] for i in range(requests)]
-    mixed = [{a: WEIGHTS[0], names[(names.index(a) + 1) % len(names)]: WEIGHTS[1]} if i % 4 == 1 and a else a
+    """The adapters of ``one adapter each`` (every fifth request on the base model, but never one of
+    the mixed ones) and of ``a quarter mixed`` (requests 1, 5, 9, ...: a mix of the request's adapter
+    and the next one)."""
+    plain = [None if i % 5 == 0 and i % 4 != 1 else names[i % len(names)] for i in range(requests)]
+    mixed = [{a: WEIGHTS[0], names[(names.index(a) + 1) % len(names)]: WEIGHTS[1]} if i % 4 == 1 else a
              for i, a in enumerate(plain)]
     return plain, mixed
 
@@ -115,14 +119,15 @@ def forward(model, mlora, lens, adapters, ids, scales=None):
 
 
 def check(model, mlora, lens, plain, mixed, ids) -> None:
-    """The rows of requests without a mix equal the batch without mixes (within fp32 rounding), and
-    each mixed request's rows differ from its first adapter's alone (the mixes' values against PEFT:
+    """The rows of requests without a mix equal the batch without mixes (within 1e-4 of their magnitude:
+    fp32 rounding), and each mixed request's rows differ from its first adapter's alone (by over 1e-2) (the mixes' values against PEFT:
     tests/test_request_mixes_transformers.py)."""
     got, plain_out = forward(model, mlora, lens, mixed, ids), forward(model, mlora, lens, plain, ids)
     for i, (length, entry) in enumerate(zip(lens, mixed)):
         rows = slice(sum(lens[:i]), sum(lens[:i]) + length)
-        same = torch.allclose(got[rows], plain_out[rows], rtol=1e-5, atol=1e-5)
-        if same == isinstance(entry, dict):
+        error = ((got[rows] - plain_out[rows]).abs().max() / plain_out[rows].abs().max()).item()
+        same = error <= 1e-4  # other kernel layouts round differently; a mix moves its rows by far more
+        if same == isinstance(entry, dict) or (not same and error <= 1e-2):
             raise SystemExit(f"bench_request_mixes: request {i} ({entry!r}) " +
                              ("equals its first adapter alone" if same else "changed in the mixed batch"))
 

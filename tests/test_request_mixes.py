@@ -43,14 +43,14 @@ def test_a_mix_equals_the_sum_of_its_adapters_run_one_by_one(backend_name):
 
 
 @pytest.mark.parametrize("slot_ids, message", [
-    ([{}, 0], r"slot_ids\[0\] \(request 0\): a mix must name at least one adapter slot, got \{\}"),
+    ([{}, 0], r"slot_ids\[0\] \(request 0\): a mix must name at least one adapter, got \{\}"),
     ([0, {0: 0.5, 3: 0.5}], r"slot_ids\[1\] \(request 1\): a mix names adapter slots in \[0, 2\), got 3"),
     ([0, {None: 0.5}], r"slot_ids\[1\] \(request 1\): a mix names adapter slots in \[0, 2\), got None"),
     ([[(1, 0.5), (1, 0.5)], 0], r"slot_ids\[0\] \(request 0\): slot 1 is named twice in the mix"),
     ([{0: -0.1}, 0], r"slot_ids\[0\] \(request 0\): the weight of slot 0 must be >= 0, got -0.1"),
     ([{0: float("nan")}, 0], r"slot_ids\[0\] \(request 0\): the weight of slot 0 must be a finite float, got nan"),
     ([{0: float("inf")}, 0], r"slot_ids\[0\] \(request 0\): the weight of slot 0 must be a finite float, got inf"),
-    ([[0, 1], 0], r"slot_ids\[0\] \(request 0\): a mix is \{slot: weight\} or \[\(slot, weight\), \.\.\.\], got "
+    ([[0, 1], 0], r"slot_ids\[0\] \(request 0\): a mix is \{key: weight\} or \[\(key, weight\), \.\.\.\], got "
                   r"the entry 0"),
     ([0, "a"], r"slot_ids\[1\] must be None, -1, a slot in \[0, 2\) or a weighted mix \{slot: weight\}, got 'a'"),
     ([0, {0: 3e38, 1: 1.0}], r"slot_ids\[1\] \(request 1\): its scale times a mix weight, 9\.000e\+38, is not finite "

@@ -223,9 +223,9 @@ def test_refusals_name_the_request_and_the_adapter(tmp_path):
         ([{}, None], r"adapters\[0\] \(request 0\): a mix must name at least one adapter, got \{\}"),
         ([None, {"plain": 0.5, "nope": 0.5}], r"adapters\[1\] \(request 1\): adapter 'nope' is not loaded"),
         ([[("plain", 0.5), ("plain", 0.5)], None], r"adapters\[0\] \(request 0\): adapter 'plain' is named twice"),
-        ([{"plain": -0.5, "other": 1.0}, None], r"adapters\[0\] \(request 0\): the weight of 'plain' must be >= 0, "
+        ([{"plain": -0.5, "other": 1.0}, None], r"adapters\[0\] \(request 0\): the weight of adapter 'plain' must be >= 0, "
                                                 r"got -0\.5"),
-        ([{"plain": float("nan")}, None], r"adapters\[0\] \(request 0\): the weight of 'plain' must be a finite "
+        ([{"plain": float("nan")}, None], r"adapters\[0\] \(request 0\): the weight of adapter 'plain' must be a finite "
                                           r"float, got nan"),
         ([{"plain": 0.5, None: 0.5}, None], r"adapters\[0\] \(request 0\): a mix names loaded adapters, got None"),
         ([None, {"plain": 0.5, "norm": 0.5}], r"adapters\[1\] \(request 1\): adapter 'norm' cannot be mixed with "

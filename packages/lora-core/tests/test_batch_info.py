@@ -106,3 +106,12 @@ def test_bad_batch_descriptions_name_the_argument(kwargs, match):
     args.update(kwargs)
     with pytest.raises(ValueError, match=match):
         build_batch_info(**args)
+
+
+def test_the_builder_and_the_shared_backend_are_importable_from_their_former_modules():
+    """build_batch_info and BatchInfoBackend moved to modules of their own; the old paths still give them."""
+    from lora_core import BatchInfoBackend, build_batch_info
+    from lora_core.backend import BatchInfoBackend as from_backend
+    from lora_core.batch_info import build_batch_info as from_batch_info
+
+    assert from_batch_info is build_batch_info and from_backend is BatchInfoBackend

@@ -51,12 +51,13 @@ def test_a_workload_holds_mixes_in_either_form_as_pairs():
 
 
 @pytest.mark.parametrize(("mix", "message"), [
-    ({}, r"adapters\[6\]: a mix is \{name: weight\} or \[\(name, weight\), ...\] of one or more adapters"),
-    ([("a", 1.0, 2.0)], r"adapters\[6\]: a mix is \{name: weight\}"),
-    ([("a", 0.5), ("a", 0.5)], r"adapters\[6\]: a mix names each adapter once, by its name"),
-    ({"a": -0.5}, r"adapters\[6\]: a mix's weights must be finite and >= 0, got -0.5"),
-    ({"a": float("inf")}, r"adapters\[6\]: a mix's weights must be finite and >= 0, got inf"),
-    ({"a": True}, r"adapters\[6\]: a mix's weights must be finite and >= 0, got True"),
+    ({}, r"adapters\[6\]: a mix must name at least one adapter, got \{\}"),
+    ([("a", 1.0, 2.0)], r"adapters\[6\]: a mix is \{key: weight\} or \[\(key, weight\), \.\.\.\], got the entry"),
+    ([("a", 0.5), ("a", 0.5)], r"adapters\[6\]: 'a' is named twice in the mix"),
+    ([(3, 0.5)], r"adapters\[6\]: a mix names adapters by their names"),
+    ({"a": -0.5}, r"adapters\[6\]: the weight of 'a' must be >= 0, got -0.5"),
+    ({"a": float("inf")}, r"adapters\[6\]: the weight of 'a' must be a finite float, got inf"),
+    ({"a": True}, r"adapters\[6\]: the weight of 'a' must be a finite float, got True"),
     (3, r"adapters\[6\] must be an adapter name, None or a weighted mix"),
 ])
 def test_a_bad_mix_is_refused_naming_its_request(mix, message):

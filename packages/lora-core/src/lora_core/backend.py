@@ -279,3 +279,10 @@ class LoRABackend(abc.ABC):
                     out[t, k] += b_weights[slot_t, e, :, :r_t] @ x[t, k, :r_t]
         """
 
+
+
+def __getattr__(name: str):
+    if name == "BatchInfoBackend":  # its home is lora_core.batch_info_backend (which imports this module)
+        from .batch_info_backend import BatchInfoBackend
+        return BatchInfoBackend
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

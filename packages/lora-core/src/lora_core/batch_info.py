@@ -378,3 +378,10 @@ class BatchInfo:
             f"BatchInfo({mode}, tokens={self.num_real_tokens}, pairs={self.num_pairs}, segments={self.num_segments}, "
             f"slots={self.num_slots}, device={self.device})"
         )
+
+
+def __getattr__(name: str):
+    if name == "build_batch_info":  # its home is lora_core.batch_builder (which imports this module)
+        from .batch_builder import build_batch_info
+        return build_batch_info
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -18,14 +18,14 @@ per token of the request, a (token, adapter) pair row (:meth:`Requests.with_pair
 from __future__ import annotations
 
 from collections.abc import Mapping, Set
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
 
 from .checks import FLOAT32_MAX, are_plain_ints, check_finite_float, check_int, is_int, plain_int_array
 
-__all__ = ["MAX_TOKENS", "Mixes", "Requests", "check_capacity", "merge_segments", "scales_need_with_scales",
+__all__ = ["MAX_TOKENS", "Mixes", "Requests", "check_capacity", "merge_segments", "parse_mix", "scales_need_with_scales",
            "validate_adapters", "validate_mix", "validate_requests", "validate_scales"]
 
 MAX_TOKENS = 2**31 - 1
@@ -190,29 +190,43 @@ Mix = Mapping[int, float] | Sequence[tuple[int, float]]
 """A weighted mix of adapter slots: ``{slot: weight}``, or ``[(slot, weight), ...]``."""
 
 
-def validate_mix(index: int, mix: object, num_slots: int) -> list[tuple[int, float]]:
-    """Request ``index``'s mix as ``[(slot, weight), ...]`` in its order: at least one slot, each in
-    ``[0, num_slots)`` and named once, each weight finite and ``>= 0`` (in float32).
-    ``ValueError`` naming the request."""
-    name = f"slot_ids[{index}] (request {index})"
+def parse_mix(name: str, mix: object, describe: Callable[[object], str] = repr) -> list[tuple[object, float]]:
+    """A weighted mix, ``{key: weight}`` or ``[(key, weight), ...]``, as ``[(key, weight), ...]`` in its
+    order: at least one entry, each key (a slot, an adapter's name: the caller checks what it is) named
+    once, each weight a finite float ``>= 0`` (finite in float32). ``ValueError`` that starts with
+    ``name``; ``describe(key)`` names a key in it (``slot 1``, ``adapter 'math'``)."""
+    if not isinstance(mix, (Mapping, list, tuple)):
+        raise ValueError(f"{name}: a mix is {{key: weight}} or [(key, weight), ...], got {mix!r}")
     entries = list(mix.items()) if isinstance(mix, Mapping) else list(mix)
     if not entries:
-        raise ValueError(f"{name}: a mix must name at least one adapter slot, got {mix!r}")
+        raise ValueError(f"{name}: a mix must name at least one adapter, got {mix!r}")
     pairs, seen = [], set()
     for entry in entries:
         if not isinstance(entry, (tuple, list)) or len(entry) != 2:
-            raise ValueError(f"{name}: a mix is {{slot: weight}} or [(slot, weight), ...], got the entry {entry!r}")
-        slot, weight = entry
+            raise ValueError(f"{name}: a mix is {{key: weight}} or [(key, weight), ...], got the entry {entry!r}")
+        key, weight = entry
+        try:
+            if key in seen:
+                raise ValueError(f"{name}: {describe(key)} is named twice in the mix")
+            seen.add(key)
+        except TypeError:  # an unhashable key: the caller's check of the key names it
+            pass
+        value = check_finite_float(f"{name}: the weight of {describe(key)}", weight, float32=True)
+        if value < 0:
+            raise ValueError(f"{name}: the weight of {describe(key)} must be >= 0, got {weight!r}")
+        pairs.append((key, value))
+    return pairs
+
+
+def validate_mix(index: int, mix: object, num_slots: int) -> list[tuple[int, float]]:
+    """Request ``index``'s mix of slots (:func:`parse_mix`) as ``[(slot, weight), ...]``, each slot in
+    ``[0, num_slots)``. ``ValueError`` naming the request."""
+    name = f"slot_ids[{index}] (request {index})"
+    pairs = parse_mix(name, mix, lambda slot: f"slot {slot!r}")
+    for slot, _ in pairs:
         if not is_int(slot) or not 0 <= slot < num_slots:
             raise ValueError(f"{name}: a mix names adapter slots in [0, {num_slots}), got {slot!r}")
-        if int(slot) in seen:
-            raise ValueError(f"{name}: slot {int(slot)} is named twice in the mix")
-        seen.add(int(slot))
-        value = check_finite_float(f"{name}: the weight of slot {int(slot)}", weight, float32=True)
-        if value < 0:
-            raise ValueError(f"{name}: the weight of slot {int(slot)} must be >= 0, got {weight!r}")
-        pairs.append((int(slot), value))
-    return pairs
+    return [(int(slot), weight) for slot, weight in pairs]
 
 
 def _requests_with_mixes(lens: np.ndarray, slots: Sequence, num_slots: int, total: int, min_len: int,

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Callable, Iterable, Iterator, Sequence
 
-from lora_core.checks import check_finite_float
+from lora_core.batch_requests import parse_mix
 
 from .routing import PEFT_BASE
 
@@ -70,28 +70,17 @@ class MixResolver:
             raise TypeError(f"adapters[{index}] (request {index}) must be an adapter name, None or a weighted mix "
                             f"{{name: weight}}, got {entry!r}")
         name = f"adapters[{index}] (request {index})"
-        items = list(entry.items()) if isinstance(entry, Mapping) else list(entry)
-        if not items:
-            raise ValueError(f"{name}: a mix must name at least one adapter, got {entry!r}")
-        mix, seen = [], set()
-        for item in items:
-            if not isinstance(item, (tuple, list)) or len(item) != 2:
-                raise ValueError(f"{name}: a mix is {{name: weight}} or [(name, weight), ...], got the entry {item!r}")
-            adapter, weight = item
+        items = parse_mix(name, entry, lambda adapter: f"adapter {adapter!r}")
+        mix = []
+        for adapter, weight in items:
             if not isinstance(adapter, str) or adapter == PEFT_BASE:
                 raise ValueError(f"{name}: a mix names loaded adapters, got {adapter!r}")
-            if adapter in seen:
-                raise ValueError(f"{name}: adapter {adapter!r} is named twice in the mix")
-            seen.add(adapter)
             try:
                 slot = self._slot_of(adapter)
             except ValueError as err:
                 raise ValueError(f"{name}: {err}") from None
-            value = check_finite_float(f"{name}: the weight of {adapter!r}", weight, float32=True)
-            if value < 0:
-                raise ValueError(f"{name}: the weight of {adapter!r} must be >= 0, got {weight!r}")
             reason = self._unmixable(adapter) if len(items) > 1 else None
             if reason is not None:
                 raise ValueError(f"{name}: adapter {adapter!r} cannot be mixed with others: {reason}")
-            mix.append((slot, value))
+            mix.append((slot, weight))
         return tuple(mix)

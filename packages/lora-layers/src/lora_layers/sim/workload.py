@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 from math import isfinite
 from typing import Collection, Sequence
+
+from lora_core.batch_requests import parse_mix
 
 from ..mixes import is_mix
 from ..models import TinyConfig
@@ -42,18 +43,10 @@ def request_entry(name: str, entry: object) -> Entry:
         return entry
     if not is_mix(entry):
         raise ValueError(f"{name} must be an adapter name, None or a weighted mix {{name: weight}}, got {entry!r}")
-    items = list(entry.items()) if isinstance(entry, Mapping) else list(entry)
-    if not items or not all(isinstance(item, (tuple, list)) and len(item) == 2 for item in items):
-        raise ValueError(f"{name}: a mix is {{name: weight}} or [(name, weight), ...] of one or more adapters, "
-                         f"got {entry!r}")
-    names = [adapter for adapter, _ in items]
-    if not all(isinstance(adapter, str) for adapter in names) or len(set(names)) != len(names):
-        raise ValueError(f"{name}: a mix names each adapter once, by its name, got {entry!r}")
-    bad = [w for _, w in items
-           if isinstance(w, bool) or not isinstance(w, (int, float)) or not (isfinite(w) and w >= 0)]
-    if bad:
-        raise ValueError(f"{name}: a mix's weights must be finite and >= 0, got {bad[0]!r}")
-    return tuple((adapter, float(weight)) for adapter, weight in items)
+    items = parse_mix(name, entry)
+    if not all(isinstance(adapter, str) for adapter, _ in items):
+        raise ValueError(f"{name}: a mix names adapters by their names, got {entry!r}")
+    return tuple(items)
 
 
 def mix_pairs(entry: Entry) -> Mix:
