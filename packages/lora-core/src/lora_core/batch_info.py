@@ -181,7 +181,7 @@ class BatchInfo:
 
     @property
     def request_slots(self) -> tuple[int, ...]:
-        """Slot per request (-1 = no adapter), as given to the builder."""
+        """Slot per request (-1 = no adapter); a mix's first slot (the rest: :attr:`request_mixes`)."""
         return self._requests.slots_tuple
 
     @property
@@ -198,7 +198,8 @@ class BatchInfo:
 
     @property
     def request_scales(self) -> tuple[float, ...]:
-        """Scale per request, in float32 as the ops apply it (1.0 each when none was given)."""
+        """Scale of each request's token rows, in float32 as the ops apply it (1.0 each when none was
+        given); a mixed request's: its scale times its first weight."""
         scales = self._requests.scales
         return (1.0,) * len(self._requests.lens) if scales is None else tuple(scales.tolist())
 
