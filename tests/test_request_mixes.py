@@ -88,7 +88,9 @@ def test_a_graph_batch_holds_mixes_up_to_its_pair_capacity():
 
 def test_the_request_mixes_benchmark_checks_then_times_both_backends(capsys, tmp_path):
     """examples/bench_request_mixes.py in smoke sizes: its checks pass (rows without a mix unchanged by the
-    mixes beside them, mixed rows not their first adapter's) and it reports each ratio with its bounds."""
+    mixes beside them, mixed rows not their first adapter's) and it reports each ratio with its bounds. The
+    LoRA-time bound comes from timings (noise can make it anything on a busy machine: only its form is
+    checked); the FLOPs bound from counted multiply-accumulates."""
     path = Path(__file__).resolve().parents[1] / "examples" / "bench_request_mixes.py"
     spec = importlib.util.spec_from_file_location("example_bench_request_mixes", path)
     bench = importlib.util.module_from_spec(spec)
@@ -96,7 +98,7 @@ def test_the_request_mixes_benchmark_checks_then_times_both_backends(capsys, tmp
     assert bench.main(["--smoke", "--json", str(tmp_path / "r.json")]) == 0
     out = capsys.readouterr().out
     assert re.search(r"^ascend, decode \(8 x 1 tokens\), a quarter mixed / one adapter each: \d\.\d{3} \(.*; "
-                     r"bounds: FLOPs 1\.\d{3}, LoRA time 1\.\d{3} \(LoRA -?\d+% of the time, pairs \+\d+% of its "
+                     r"bounds: FLOPs 1\.\d{3}, LoRA time -?\d+\.\d{3} \(LoRA -?\d+% of the time, pairs \+\d+% of its "
                      r"MACs\)$", out, re.M), out
     results = json.loads((tmp_path / "r.json").read_text())["results"]
     assert set(results) == {f"{b}/{p}" for b in ("torch_native", "ascend") for p in ("decode", "prefill")}
