@@ -97,7 +97,7 @@ def test_the_request_mixes_benchmark_checks_then_times_both_backends(capsys, tmp
     spec.loader.exec_module(bench)
     assert bench.main(["--smoke", "--json", str(tmp_path / "r.json")]) == 0
     out = capsys.readouterr().out
-    assert re.search(r"^ascend, decode \(8 x 1 tokens\), a quarter mixed / one adapter each: \d\.\d{3} \(.*; "
+    assert re.search(r"^ascend, decode \(8 x 1 tokens\), a quarter mixed / one adapter each: \d+\.\d{3} \(.*; "
                      r"bounds: FLOPs 1\.\d{3}, LoRA time -?\d+\.\d{3} \(LoRA -?\d+% of the time, pairs \+\d+% of its "
                      r"MACs\)$", out, re.M), out
     results = json.loads((tmp_path / "r.json").read_text())["results"]
