@@ -14,6 +14,7 @@ from typing import Sequence
 import torch
 
 from ..batch_builder import build_batch_info
+from ..batch_requests import validate_requests
 from ..batch_info import BatchInfo
 from ..layout import slice_offsets_from_widths
 
@@ -24,7 +25,6 @@ __all__ = [
     "random_requests",
     "random_scales",
     "random_mix",
-    "count_pairs",
     "random_ranks",
     "fill_linear_garbage",
     "fill_embedding_garbage",
@@ -184,17 +184,12 @@ def make_batch_info(
     scalings = list(scalings) if scalings is not None else default_scalings(len(lora_ranks))
     total = sum(seq_lens)
     if use_graph and max_pairs is None:
-        max_pairs = total + count_pairs(seq_lens, slot_ids)
+        max_pairs = total + validate_requests(seq_lens, slot_ids, len(lora_ranks)).num_pairs
     return build_batch_info(
         seq_lens, slot_ids, lora_ranks, scalings, device=device, use_graph=use_graph,
         max_tokens=total if use_graph else None, scales=scales, with_scales=with_scales,
         max_pairs=max_pairs if use_graph else None,
     )
-
-
-def count_pairs(seq_lens: Sequence[int], slot_ids: Sequence[object]) -> int:
-    """The pair rows of a batch's weighted mixes: a request's tokens once per slot of its mix beyond the first."""
-    return sum(n * (len(slot) - 1) for n, slot in zip(seq_lens, slot_ids) if isinstance(slot, (dict, list, tuple)))
 
 
 def random_mix(rng: random.Random, num_slots: int) -> dict[int, float] | list[tuple[int, float]]:
@@ -233,7 +228,8 @@ class BatchPair:
         self.lora_ranks = list(lora_ranks)
         self.scalings = list(scalings) if scalings is not None else default_scalings(len(lora_ranks))
         self.batch_a, self.batch_b = batch_a, batch_b
-        self.max_pairs = self.num_tokens + max(count_pairs(*batch_a[:2]), count_pairs(*batch_b[:2]))
+        self.max_pairs = self.num_tokens + max(validate_requests(*batch[:2], len(self.lora_ranks)).num_pairs
+                                               for batch in (batch_a, batch_b))
         self.with_scales = len(batch_a) > 2 or len(batch_b) > 2 or self.max_pairs > self.num_tokens or any(
             isinstance(slot, (dict, list, tuple)) for slot in (*batch_a[1], *batch_b[1]))
 
