@@ -46,6 +46,17 @@ def test_slot_groups_gather_each_active_slot_once_when_padding_would_double_the_
     assert plan.token_perm.tolist() == list(range(0, 40, 2)) + [40, 41]
 
 
+def test_slot_groups_replace_slot_blocks_where_the_padding_costs_more_than_the_gemms_it_saves():
+    # 8 requests of 16 tokens, slot 0 on three: blocks of 48 rows for 4 slots would be 192 rows for 128
+    # tokens, under twice the tokens, but 64 padding rows for the 3 GEMMs one bmm saves (16 rows each)
+    prefill = build_batch_info([16] * 8, [0, 1, 0, 2, 0, 1, 2, 3], [4] * 4, [1.0] * 4, device="cpu").plan(ControlPlan)
+    assert prefill.by_slot and prefill.slot_blocks is None
+    assert [(g.slot, g.num_tokens) for g in prefill.groups] == [(0, 48), (1, 32), (2, 32), (3, 16)]
+    # the same spread over single tokens pads 8 rows: one bmm
+    decode = build_batch_info([1] * 16, [0, 1, 0, 2, 0, 1, 2, 3] * 2, [4] * 4, [1.0] * 4, device="cpu")
+    assert decode.plan(ControlPlan).slot_blocks is not None
+
+
 def test_long_segments_prefer_the_segment_loop():
     info = build_batch_info([100, 100, 100], [0, 1, 0], [4, 4], [1.0, 1.0], device="cpu")
     assert not info.plan(ControlPlan).by_slot

@@ -12,7 +12,7 @@ from lora_cuda.expert_ops import experts_lora_a_fwd, experts_lora_b_fwd, experts
 from lora_cuda.graph_ops import check_graph_kernel, graph_plan_types
 
 from .embedding import vectorized_lora_a_embedding_fwd
-from .ops import vectorized_lora_a_fwd, vectorized_lora_b_fwd
+from .ops import vectorized_lora_a_fwd, vectorized_lora_b_fwd, vectorized_pair_lora_a_fwd, vectorized_pair_lora_b_fwd
 
 __all__ = ["AscendBackend"]
 
@@ -46,6 +46,13 @@ class AscendBackend(BatchInfoBackend):
     def expand(self, x, weights, batch_info, slice_offsets, base_output) -> torch.Tensor:
         return vectorized_lora_b_fwd(x, weights, batch_info, slice_offsets, base_output,
                                      graph_kernel=self.graph_kernel)
+
+    def pair_shrink(self, x, weights, batch_info, num_slices) -> torch.Tensor:
+        return vectorized_pair_lora_a_fwd(x, weights, batch_info, num_slices, graph_kernel=self.graph_kernel)
+
+    def pair_expand(self, x, weights, batch_info, slice_offsets, base_output) -> torch.Tensor:
+        return vectorized_pair_lora_b_fwd(x, weights, batch_info, slice_offsets, base_output,
+                                          graph_kernel=self.graph_kernel)
 
     def embedding_shrink(self, ids, weights, batch_info, vocab_size, extra_embeddings) -> torch.Tensor:
         return vectorized_lora_a_embedding_fwd(ids, weights, batch_info, vocab_size, extra_embeddings,

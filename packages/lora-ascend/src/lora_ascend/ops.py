@@ -25,8 +25,9 @@ import torch
 from lora_core import BatchInfo
 from lora_core.validation import check_lora_a_inputs, check_lora_b_inputs
 from lora_cuda.graph_ops import check_graph_kernel, sgemm_lora_a_graph_fwd, sgemm_lora_b_graph_fwd
+from lora_cuda.ops import sgemm_lora_a_fwd, sgemm_lora_b_fwd
 
-__all__ = ["vectorized_lora_a_fwd", "vectorized_lora_b_fwd"]
+__all__ = ["vectorized_lora_a_fwd", "vectorized_lora_b_fwd", "vectorized_pair_lora_a_fwd", "vectorized_pair_lora_b_fwd"]
 
 
 def vectorized_lora_a_fwd(
@@ -54,3 +55,22 @@ def vectorized_lora_b_fwd(
     offsets = check_lora_b_inputs(x, weights, batch_info, slice_offsets, base_output)
     return sgemm_lora_b_graph_fwd(x, weights, batch_info, offsets, base_output,
                                   kernel=check_graph_kernel(graph_kernel))
+
+
+def vectorized_pair_lora_a_fwd(x: torch.Tensor, weights: torch.Tensor, batch_info: BatchInfo, num_slices: int = 1, *,
+                               graph_kernel: str = "auto") -> torch.Tensor:
+    """Scaled shrink over a batch's rows with pair rows (weighted mixes): ``x (T, in)``, the batch's
+    tokens -> ``(N, c*R)``; semantics of ``lora_cuda.sgemm_lora_a_fwd(..., pair_rows=True)``, with
+    the graph-safe kernels for every batch."""
+    return sgemm_lora_a_fwd(x, weights, batch_info, num_slices, graph_safe=True, graph_kernel=graph_kernel,
+                            pair_rows=True)
+
+
+def vectorized_pair_lora_b_fwd(x: torch.Tensor, weights: torch.Tensor, batch_info: BatchInfo,
+                               slice_offsets: Sequence[int] | torch.Tensor, base_output: torch.Tensor | None = None,
+                               *, graph_kernel: str = "auto") -> torch.Tensor:
+    """The expand of :func:`vectorized_pair_lora_a_fwd`'s output: ``x (N, c*R)``, each row's delta added
+    into its token's row of ``base_output (T, out_total)``; semantics of
+    ``lora_cuda.sgemm_lora_b_fwd(..., pair_rows=True)``, with the graph-safe kernels for every batch."""
+    return sgemm_lora_b_fwd(x, weights, batch_info, slice_offsets, base_output, graph_safe=True,
+                            graph_kernel=graph_kernel, pair_rows=True)

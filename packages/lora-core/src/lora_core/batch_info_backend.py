@@ -32,9 +32,23 @@ def shrink_rows(info: BatchInfo, inputs: tuple[torch.Tensor, ...], shrink: Shrin
     pairs = info.pairs
     if pairs is None:
         return apply_request_scales(shrink(info, inputs), info)
+    return apply_request_scales(shrink(pairs.view, gather_token_rows(info, inputs, name)), pairs.view)
+
+
+def gather_token_rows(info: BatchInfo, inputs: tuple[torch.Tensor, ...], name: str = "x") -> tuple[torch.Tensor, ...]:
+    """``inputs``, each ``(T, ...)`` with a row per token of ``info``, a batch with pair rows, gathered
+    to a row per row of ``info.pairs.view``: each row's token row. ``name``: the first input's, in an error."""
     check_num_tokens(info, inputs[0].shape[0], name)  # before the gather reads rows by index
-    gathered = tuple(t.index_select(0, pairs.token_rows) for t in inputs)
-    return apply_request_scales(shrink(pairs.view, gathered), pairs.view)
+    return tuple(t.index_select(0, info.pairs.token_rows) for t in inputs)
+
+
+def check_pair_rows(info: BatchInfo, shrunk: torch.Tensor) -> None:
+    """``ValueError`` unless ``shrunk`` has a row per row of ``info.pairs.view`` (``info``'s token rows and
+    the pair rows of its mixes): what an expand of a batch with weighted mixes takes."""
+    rows = info.pairs.view.num_tokens
+    if shrunk.shape[0] != rows:
+        raise ValueError(f"x has {shrunk.shape[0]} rows; a shrink of this batch gives {rows}: its token rows and the "
+                         f"pair rows of its mixes (pass the shrink's output)")
 
 
 def expand_rows(info: BatchInfo, shrunk: torch.Tensor, inputs: tuple[torch.Tensor, ...], expand: Expand,
@@ -45,10 +59,7 @@ def expand_rows(info: BatchInfo, shrunk: torch.Tensor, inputs: tuple[torch.Tenso
     pairs = info.pairs
     if pairs is None:
         return expand(info, shrunk, inputs, base_output)
-    rows = pairs.view.num_tokens
-    if shrunk.shape[0] != rows:
-        raise ValueError(f"x has {shrunk.shape[0]} rows; a shrink of this batch gives {rows}: its token rows and the "
-                         f"pair rows of its mixes (pass the shrink's output)")
+    check_pair_rows(info, shrunk)
     if base_output is not None:
         check_num_tokens(info, base_output.shape[0], "base_output")
     gathered = tuple(t.index_select(0, pairs.token_rows) for t in inputs)
@@ -111,6 +122,25 @@ class BatchInfoBackend(LoRABackend):
                base_output: torch.Tensor | None) -> torch.Tensor:
         """:meth:`run_lora_b` for an explicit batch."""
 
+    def pair_shrink(self, x: torch.Tensor, weights: torch.Tensor, batch_info: BatchInfo,
+                    num_slices: int) -> torch.Tensor:
+        """:meth:`shrink` of a batch with weighted mixes over its rows with pair rows: ``x (T, in)``,
+        ``batch_info``'s tokens -> ``(N, c*R)``, a row per row of ``batch_info.pairs.view`` (its token rows,
+        then its pair rows): the shrink of the row's token's row of ``x`` at the row's slot (its request
+        scale not applied). Here ``x`` is gathered by token row (``N`` rows) for :meth:`shrink` of the
+        view; a backend whose kernels read each row's token row themselves overrides this and
+        :meth:`pair_expand`, and copies no rows."""
+        (rows,) = gather_token_rows(batch_info, (x,))
+        return self.shrink(rows, weights, batch_info.pairs.view, num_slices)
+
+    def pair_expand(self, x: torch.Tensor, weights: torch.Tensor, batch_info: BatchInfo,
+                    slice_offsets: SliceOffsets, base_output: torch.Tensor | None) -> torch.Tensor:
+        """:meth:`expand` of :meth:`pair_shrink`'s output: ``x (N, c*R)``, every row's delta added into
+        its token's row of ``base_output (T, out_total)`` (zeros when ``None``) in place. Here the view's
+        :meth:`expand` into zeros, then one ``index_add_`` (:func:`expand_rows`)."""
+        return expand_rows(batch_info, x, (), lambda rows, shrunk, _, out: self.expand(
+            shrunk, weights, rows, slice_offsets, out), base_output)
+
     @abc.abstractmethod
     def embedding_shrink(self, ids: torch.Tensor, weights: torch.Tensor, batch_info: BatchInfo, vocab_size: int,
                          extra_embeddings: torch.Tensor | None) -> torch.Tensor:
@@ -158,12 +188,15 @@ class BatchInfoBackend(LoRABackend):
         return self._linear_expand(self.batch_info, shrunk, b_weights, offsets, base_output)
 
     def _linear_shrink(self, info: BatchInfo, x: torch.Tensor, weights: torch.Tensor, num_slices: int) -> torch.Tensor:
-        return shrink_rows(info, (x,), lambda rows, inputs: self.shrink(inputs[0], weights, rows, num_slices))
+        if info.pairs is None:
+            return apply_request_scales(self.shrink(x, weights, info, num_slices), info)
+        return apply_request_scales(self.pair_shrink(x, weights, info, num_slices), info.pairs.view)
 
     def _linear_expand(self, info: BatchInfo, x: torch.Tensor, weights: torch.Tensor, slice_offsets: SliceOffsets,
                        base_output: torch.Tensor | None) -> torch.Tensor:
-        return expand_rows(info, x, (), lambda rows, shrunk, _, out: self.expand(shrunk, weights, rows, slice_offsets,
-                                                                                  out), base_output)
+        if info.pairs is None:
+            return self.expand(x, weights, info, slice_offsets, base_output)
+        return self.pair_expand(x, weights, info, slice_offsets, base_output)
 
     def run_dora_scale(self, output, factors, bias=None, *, pruned: bool = False) -> torch.Tensor:
         return self.dora_scale(output, factors, self.batch_info.lm_head_view(pruned), bias)

@@ -46,6 +46,13 @@ class TorchNativeBackend(BatchInfoBackend):
     def expand(self, x, weights, batch_info, slice_offsets, base_output) -> torch.Tensor:
         return sgemm_lora_b_fwd(x, weights, batch_info, slice_offsets, base_output, graph_kernel=self.graph_kernel)
 
+    def pair_shrink(self, x, weights, batch_info, num_slices) -> torch.Tensor:
+        return sgemm_lora_a_fwd(x, weights, batch_info, num_slices, graph_kernel=self.graph_kernel, pair_rows=True)
+
+    def pair_expand(self, x, weights, batch_info, slice_offsets, base_output) -> torch.Tensor:
+        return sgemm_lora_b_fwd(x, weights, batch_info, slice_offsets, base_output, graph_kernel=self.graph_kernel,
+                                pair_rows=True)
+
     def embedding_shrink(self, ids, weights, batch_info, vocab_size, extra_embeddings) -> torch.Tensor:
         return sgemm_lora_a_embedding_fwd(ids, weights, batch_info, vocab_size, extra_embeddings,
                                           strict_token_ids=self.strict_token_ids)

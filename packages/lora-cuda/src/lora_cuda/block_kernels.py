@@ -25,7 +25,7 @@ from typing import Callable, Hashable, NamedTuple, Protocol, TypeVar
 
 import torch
 
-from .row_updates import gather_add_rows_
+from .row_updates import gather_add_rows_, index_add_rows_
 
 __all__ = ["BlockLayout", "block_shrink", "block_expand"]
 
@@ -88,10 +88,13 @@ def _expand_operands(blocks: BlockLayout, max_rank: int, num_slices: int, out_to
     return _ExpandOperands(low_rank, low_rank.view(nb, b, cR), outside, delta, delta.view(nb * b, out_total))
 
 
-def block_shrink(x: torch.Tensor, weights: torch.Tensor, blocks: BlockLayout, num_slices: int) -> torch.Tensor:
+def block_shrink(x: torch.Tensor, weights: torch.Tensor, blocks: BlockLayout, num_slices: int,
+                 sources: torch.Tensor | None = None) -> torch.Tensor:
     """Scaled shrink. ``x: (T, in)``, ``weights: (L, c*R, in)`` -> ``(T, c*R)`` in ``x.dtype``:
     ``out[t, i*R + k] = scaling[s] * x[t] @ weights[s, i*R + k]`` for ``k < rank[s]``, ``s``
-    the slot of ``t``'s block, else 0 (rows in no block included).
+    the slot of ``t``'s block, else 0 (rows in no block included). With ``sources (N,)`` int64 (the
+    layout's ``N`` rows are a batch's rows with pair rows, ``x`` its tokens): row ``n`` reads
+    ``x[sources[n]]`` and the output has ``N`` rows.
 
     The gathered rows and the block results live in the layout's workspaces, scaled and
     masked in place: a call allocates only its output. Each row's result is gathered
@@ -100,23 +103,28 @@ def block_shrink(x: torch.Tensor, weights: torch.Tensor, blocks: BlockLayout, nu
     than ``index_add_`` at decode sizes."""
     x_shape, dtype = x.shape, x.dtype
     _, cR, _ = w_shape = weights.shape
-    ops = blocks.call_operands(("shrink", x_shape, w_shape, num_slices, dtype), _shrink_operands,
-                               x_shape[0], x_shape[1], cR // num_slices, num_slices, dtype)
-    torch.index_select(x, 0, blocks.block_tokens, out=ops.rows)
+    rows = x_shape[0] if sources is None else sources.shape[0]
+    ops = blocks.call_operands(("shrink", x_shape, w_shape, num_slices, dtype, rows), _shrink_operands,
+                               rows, x_shape[1], cR // num_slices, num_slices, dtype)
+    cells = blocks.block_tokens if sources is None else sources.index_select(0, blocks.block_tokens)
+    torch.index_select(x, 0, cells, out=ops.rows)
     torch.bmm(ops.blocks, blocks.block_weights(weights).transpose(1, 2), out=ops.shrunk)
     ops.shrunk.mul_(ops.scales).masked_fill_(ops.outside, 0)  # padding rows are 0; so is inf*0 = NaN beyond a rank
     return ops.shrunk_rows.index_select(0, ops.token_rows)
 
 
 def block_expand(
-    x: torch.Tensor, weights: torch.Tensor, blocks: BlockLayout, slice_offsets: tuple[int, ...], out: torch.Tensor
+    x: torch.Tensor, weights: torch.Tensor, blocks: BlockLayout, slice_offsets: tuple[int, ...], out: torch.Tensor,
+    sources: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Expand into ``out`` in place. ``x: (T, c*R)``, ``weights: (L, out_total, R)``,
     ``out: (T, out_total)``: ``out[t, o_i:o_i+1] += x[t, i*R : i*R + rank[s]] @ weights[s, o_i:o_i+1, :rank[s]].T``
     for each slice ``i``, ``s`` the slot of ``t``'s block; the columns of ``x`` beyond the rank
     are zeroed in the gathered rows before the GEMM. Gathered rows and the delta live in the
     layout's workspaces. ``out`` may be a strided view (a slice's columns of a wider output):
-    each row's delta is then gathered from the blocks (:func:`~lora_cuda.row_updates.gather_add_rows_`)."""
+    each row's delta is then gathered from the blocks (:func:`~lora_cuda.row_updates.gather_add_rows_`).
+    With ``sources (N,)`` int64 (``x`` a batch's rows with pair rows, ``out (T, out_total)`` its tokens):
+    row ``n``'s delta is added into ``out[sources[n]]``."""
     R, num_slices, dtype = weights.shape[2], len(slice_offsets) - 1, x.dtype
     ops = blocks.call_operands(("expand", x.shape[1], slice_offsets, dtype), _expand_operands,
                                R, num_slices, slice_offsets[-1], dtype)
@@ -130,5 +138,8 @@ def block_expand(
         for i in range(num_slices):  # each slice's columns of the delta, written in place
             lo, hi = slice_offsets[i], slice_offsets[i + 1]
             torch.bmm(yb[:, :, i * R : (i + 1) * R], wb[:, lo:hi].transpose(1, 2), out=delta[:, :, lo:hi])
-    # a padding row's delta is zero (its gathered row is masked) and every row of out has one block row
+    # a padding row's delta is zero (its gathered row is masked) and every row of out has one block row,
+    # or with sources, any number of them
+    if sources is not None:
+        return index_add_rows_(out, sources.index_select(0, blocks.block_tokens), ops.delta_rows)
     return gather_add_rows_(out, blocks.token_rows[: out.shape[0]], ops.delta_rows, blocks.block_tokens)

@@ -49,21 +49,25 @@ def _capture_error(op: str) -> RuntimeError:
 
 
 def sgemm_lora_a_control_fwd(
-    x: torch.Tensor, weights: torch.Tensor, batch_info: BatchInfo, num_slices: int = 1
+    x: torch.Tensor, weights: torch.Tensor, batch_info: BatchInfo, num_slices: int = 1,
+    sources: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Scaled shrink. ``x: (T, in)``, ``weights: (L, c*R, in)`` -> ``(T, c*R)`` in ``x.dtype``."""
+    """Scaled shrink. ``x: (T, in)``, ``weights: (L, c*R, in)`` -> ``(T, c*R)`` in ``x.dtype``.
+    With ``sources (N,)`` int64 (``batch_info`` the rows with pair rows of a batch whose tokens ``x``
+    has): row ``n`` reads ``x[sources[n]]`` and the output has ``N`` rows."""
     if is_capturing():
         raise _capture_error("sgemm_lora_a_control_fwd")
     plan = batch_info.plan(ControlPlan)
     if plan.slot_blocks is not None:
-        return block_shrink(x, weights, plan.slot_blocks, num_slices)
-    T, cR = x.shape[0], weights.shape[1]
+        return block_shrink(x, weights, plan.slot_blocks, num_slices, sources)
+    T, cR = batch_info.num_tokens, weights.shape[1]
     R = cR // num_slices
     out = x.new_zeros(T, cR)
     if plan.by_slot:
-        src, dst = x.index_select(0, plan.token_perm), x.new_zeros(plan.token_perm.shape[0], cR)
+        perm = plan.token_perm if sources is None else sources.index_select(0, plan.token_perm)
+        src, dst = x.index_select(0, perm), x.new_zeros(perm.shape[0], cR)
     else:
-        src, dst = x, out
+        src, dst = (x if sources is None else x.index_select(0, sources)), out
     for g in plan.groups:
         rows = slice(g.start, g.end)
         for i in range(num_slices):
@@ -81,15 +85,18 @@ def sgemm_lora_b_control_fwd(
     batch_info: BatchInfo,
     slice_offsets: tuple[int, ...],
     base_output: torch.Tensor | None = None,
+    sources: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Expand. ``x: (T, c*R)``, ``weights: (L, out_total, R)``, ``slice_offsets: (0, ..., out_total)``
-    -> ``(T, out_total)``, accumulated into ``base_output`` in place when given."""
+    -> ``(T, out_total)``, accumulated into ``base_output`` in place when given. With ``sources (T,)``
+    int64 (``x`` a batch's rows with pair rows, ``base_output`` its tokens, required): row ``t``'s
+    delta is added into ``base_output[sources[t]]``."""
     if is_capturing():
         raise _capture_error("sgemm_lora_b_control_fwd")
     out = base_output if base_output is not None else x.new_zeros(x.shape[0], slice_offsets[-1])
     plan = batch_info.plan(ControlPlan)
     if plan.slot_blocks is not None:
-        return block_expand(x, weights, plan.slot_blocks, slice_offsets, out)
+        return block_expand(x, weights, plan.slot_blocks, slice_offsets, out, sources)
     R, num_slices = weights.shape[2], len(slice_offsets) - 1
     if plan.by_slot:
         perm = plan.token_perm
@@ -100,8 +107,19 @@ def sgemm_lora_b_control_fwd(
             for i in range(num_slices):
                 cols = slice(slice_offsets[i], slice_offsets[i + 1])
                 torch.mm(yp[rows, i * R : i * R + g.rank], weights[g.slot, cols, : g.rank].t(), out=delta[rows, cols])
-        index_add_rows_(out, perm, delta)
+        index_add_rows_(out, perm if sources is None else sources.index_select(0, perm), delta)
         return out
+    if sources is not None:  # the segments' rows are not out's: their deltas are added by token afterwards
+        delta = x.new_zeros(x.shape[0], slice_offsets[-1])
+        _add_segments(x, weights, plan, slice_offsets, delta)
+        return index_add_rows_(out, sources, delta)
+    return _add_segments(x, weights, plan, slice_offsets, out)
+
+
+def _add_segments(x: torch.Tensor, weights: torch.Tensor, plan: ControlPlan, slice_offsets: tuple[int, ...],
+                  out: torch.Tensor) -> torch.Tensor:
+    """The segment plan's expand: each segment's delta added into its rows of ``out`` in place."""
+    R, num_slices = weights.shape[2], len(slice_offsets) - 1
     for g in plan.groups:
         rows = slice(g.start, g.end)
         for i in range(num_slices):

@@ -10,9 +10,10 @@ loop never reads a device tensor. Three layouts, chosen once per batch:
   and segments are short (decode batches of many single-token requests);
 * **slot blocks** (:class:`SlotBlocks`): the same slot groups padded to the
   largest one, so all slots run in one ``bmm`` (:mod:`lora_cuda.block_kernels`):
-  chosen over slot groups when padding at most doubles the rows, since one
-  batched GEMM costs far less than a GEMM per slot at decode sizes
-  (docs/benchmarks.md).
+  chosen over slot groups when padding at most doubles the rows and adds at most
+  :data:`SLOT_BLOCKS_PADDING_PER_GEMM` rows per GEMM it saves, since one batched
+  GEMM costs far less than a GEMM per slot at decode sizes, and padding rows cost
+  more than the GEMMs at prefill sizes (docs/benchmarks.md).
 
 Only the chosen layout is built, with a few NumPy ops on the batch's host
 mirrors; the Python loop runs over segments or slots, never over tokens.
@@ -33,7 +34,7 @@ from .kernel_tables import KernelTables
 from .slot_order import place_in_blocks, slot_order
 
 __all__ = ["ControlPlan", "SlotBlocks", "TokenGroup", "SLOT_GROUPING_MAX_MEAN_SEGMENT_LEN",
-           "SLOT_BLOCKS_MAX_PADDING"]
+           "SLOT_BLOCKS_MAX_PADDING", "SLOT_BLOCKS_PADDING_PER_GEMM"]
 
 SLOT_GROUPING_MAX_MEAN_SEGMENT_LEN = 64
 """Slot groups replace the segment loop only when active segments are this short on average."""
@@ -41,6 +42,12 @@ SLOT_GROUPING_MAX_MEAN_SEGMENT_LEN = 64
 SLOT_BLOCKS_MAX_PADDING = 2.0
 """Slot blocks replace the loop over slot groups when ``slots used x largest group`` is at
 most this many times the tokens with an adapter."""
+
+SLOT_BLOCKS_PADDING_PER_GEMM = 16
+"""... and when their padding rows are at most this many per GEMM they save (slots used - 1).
+Measured on one ``256 x 256`` module at rank 64 (torch 2.13, 2-core AMD EPYC; docs/benchmarks.md,
+"slot blocks or slot groups"): slot blocks took 0.5-0.8 of the groups' time at decode (24-32
+padding rows over 4 slots), 1.1-1.6 of it at prefill (128-224 padding rows)."""
 
 
 class TokenGroup(NamedTuple):
@@ -144,7 +151,8 @@ class ControlPlan(BatchPlan):
         used_list, counts_list = used.tolist(), counts.tolist()  # (Python ints: NumPy's max costs more here)
         groups = tuple(TokenGroup(s, ranks[s], scalings[s], end - n, end)
                        for s, n, end in zip(used_list, counts_list, itertools.accumulate(counts_list)))
-        if len(used_list) * max(counts_list) <= SLOT_BLOCKS_MAX_PADDING * num_tokens:
+        padding, saved_gemms = len(used_list) * max(counts_list) - num_tokens, len(used_list) - 1
+        if padding <= min((SLOT_BLOCKS_MAX_PADDING - 1) * num_tokens, SLOT_BLOCKS_PADDING_PER_GEMM * saved_gemms):
             return cls(True, groups, None, SlotBlocks(batch_info, perm, used, counts))
         return cls(True, groups, torch.from_numpy(perm).to(batch_info.device))
 

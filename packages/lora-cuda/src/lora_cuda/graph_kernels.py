@@ -105,10 +105,13 @@ def graph_plan_types(preference: str, device: torch.device) -> tuple[type, ...]:
 
 
 def graph_shrink(x: torch.Tensor, weights: torch.Tensor, batch_info: BatchInfo, num_slices: int,
-                 kernel: str) -> torch.Tensor:
+                 kernel: str, sources: torch.Tensor | None = None) -> torch.Tensor:
     """Scaled shrink. ``x: (T, in)``, ``weights: (L, c*R, in)`` -> ``(T, c*R)`` in ``x.dtype``;
-    ``kernel`` is a preference of :data:`GRAPH_KERNELS`. Inputs are validated by the caller."""
-    T, in_features = x.shape
+    ``kernel`` is a preference of :data:`GRAPH_KERNELS`. With ``sources (N,)`` int64 (``batch_info``
+    the rows with pair rows of a batch whose tokens ``x`` has): row ``n`` reads ``x[sources[n]]`` and
+    the output has ``N`` rows. Inputs are validated by the caller."""
+    in_features = x.shape[1]
+    T = x.shape[0] if sources is None else sources.shape[0]
     L, cR = weights.shape[:2]
     if T == 0 or L == 0 or cR == 0:  # static shapes: nothing to compute, whatever the batch
         return x.new_zeros(T, cR)
@@ -120,19 +123,22 @@ def graph_shrink(x: torch.Tensor, weights: torch.Tensor, batch_info: BatchInfo, 
         weights_t = weights.transpose(1, 2)
         parts = []
         for c in plan.chunks:  # each chunk's rows gathered into one workspace, reused chunk after chunk
-            xs = torch.index_select(x, 0, c.tokens, out=rows[: c.stop - c.start])
+            tokens = c.tokens if sources is None else sources.index_select(0, c.tokens)
+            xs = torch.index_select(x, 0, tokens, out=rows[: c.stop - c.start])
             parts.append(torch._grouped_mm(xs, weights_t, offs=c.group_ends))
         ys = parts[0] if len(parts) == 1 else torch.cat(parts)
         ys.mul_(scales).masked_fill_(outside, 0)  # inf*0 beyond a rank is NaN: masked, not multiplied, away
         # every row is in the order once: gather each row's result back (no scatter into zeros)
         return ys.index_select(0, plan.token_rows)
-    return block_shrink(x, weights, batch_info.plan(BlockPlan), num_slices)
+    return block_shrink(x, weights, batch_info.plan(BlockPlan), num_slices, sources)
 
 
 def graph_expand(x: torch.Tensor, weights: torch.Tensor, batch_info: BatchInfo, slice_offsets: tuple[int, ...],
-                 base_output: torch.Tensor | None, kernel: str) -> torch.Tensor:
+                 base_output: torch.Tensor | None, kernel: str, sources: torch.Tensor | None = None) -> torch.Tensor:
     """Expand. ``x: (T, c*R)``, ``weights: (L, out_total, R)`` -> ``(T, out_total)``,
-    accumulated into ``base_output`` in place when given; ``kernel`` as for the shrink."""
+    accumulated into ``base_output`` in place when given; ``kernel`` as for the shrink. With
+    ``sources (T,)`` int64 (``x`` a batch's rows with pair rows, ``base_output`` its tokens, required):
+    row ``t``'s delta is added into ``base_output[sources[t]]``."""
     T, cR = x.shape
     L, R, out_total = weights.shape[0], weights.shape[2], slice_offsets[-1]
     num_slices = len(slice_offsets) - 1
@@ -148,16 +154,19 @@ def graph_expand(x: torch.Tensor, weights: torch.Tensor, batch_info: BatchInfo, 
         ys_slices = [ys] if num_slices == 1 else [ys[:, i * R : (i + 1) * R].contiguous() for i in range(num_slices)]
         weights_t = [weights[:, slice_offsets[i] : slice_offsets[i + 1]].transpose(1, 2) for i in range(num_slices)]
         # a strided out (one slice of a wider output) takes the chunks' deltas through one contiguous buffer
-        target = out if len(plan.chunks) == 1 or out.is_contiguous() else out.new_zeros(out.shape)
+        gathers = len(plan.chunks) == 1 and sources is None
+        target = out if gathers or out.is_contiguous() else out.new_zeros(out.shape)
         for c in plan.chunks:  # each chunk's delta is added before the next one's is computed
             parts = [torch._grouped_mm(y[c.start : c.stop], w, offs=c.group_ends) for y, w in zip(ys_slices, weights_t)]
             delta = parts[0] if num_slices == 1 else torch.cat(parts, dim=1)
-            if len(plan.chunks) == 1:  # every row's delta is here, at token_rows (rank-0 rows: zeros)
+            if sources is not None:  # a token may have several rows
+                target.index_add_(0, sources.index_select(0, c.tokens), delta)
+            elif gathers:  # every row's delta is here, at token_rows (rank-0 rows: zeros)
                 gather_add_rows_(out, plan.token_rows[:T], delta, c.tokens)
             else:
                 target.index_add_(0, c.tokens, delta)
         return out if target is out else out.add_(target)
-    return block_expand(x, weights, batch_info.plan(BlockPlan), slice_offsets, out)
+    return block_expand(x, weights, batch_info.plan(BlockPlan), slice_offsets, out, sources)
 
 
 def graph_embedding_shrink(ids: torch.Tensor, weights: torch.Tensor, batch_info: BatchInfo,

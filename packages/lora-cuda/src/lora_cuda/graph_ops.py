@@ -45,19 +45,22 @@ __all__ = [
 
 
 def sgemm_lora_a_graph_fwd(
-    x: torch.Tensor, weights: torch.Tensor, batch_info: BatchInfo, num_slices: int = 1, *, kernel: str = "auto"
+    x: torch.Tensor, weights: torch.Tensor, batch_info: BatchInfo, num_slices: int = 1, *, kernel: str = "auto",
+    sources: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Scaled shrink. ``x: (T, in)``, ``weights: (L, c*R, in)`` -> ``(T, c*R)`` in ``x.dtype``;
-    ``kernel`` is a preference of :data:`GRAPH_KERNELS`.
+    ``kernel`` is a preference of :data:`GRAPH_KERNELS`; ``sources`` as for
+    :func:`~lora_cuda.graph_kernels.graph_shrink` (eager calls and captures only).
 
     Semantics: ``out[t, i*R + r] = scaling[s] * (weights[s, i*R + r] @ x[t])`` for ``r < rank[s]``,
     0 elsewhere and for ``s = token_slots[t] = -1``."""
     if torch.compiler.is_compiling():  # one custom op, which runs graph_shrink
+        _check_no_sources(sources)
         key, host = batch_args(batch_info, x, weights)
         return torch.ops.lora_cuda.shrink(x, weights, key, host, num_slices, kernel)
     if batch_info.use_graph:
         batch_key(batch_info)  # a warm-up call prepares the batch for compiling
-    return graph_shrink(x, weights, batch_info, num_slices, kernel)
+    return graph_shrink(x, weights, batch_info, num_slices, kernel, sources)
 
 
 def sgemm_lora_b_graph_fwd(
@@ -68,20 +71,28 @@ def sgemm_lora_b_graph_fwd(
     base_output: torch.Tensor | None = None,
     *,
     kernel: str = "auto",
+    sources: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Expand. ``x: (T, c*R)``, ``weights: (L, out_total, R)`` -> ``(T, out_total)``,
-    accumulated into ``base_output`` in place when given; ``kernel`` as for the shrink.
+    accumulated into ``base_output`` in place when given; ``kernel`` and ``sources`` as for the shrink
+    (:func:`~lora_cuda.graph_kernels.graph_expand`).
 
     Semantics: ``out[t, o_i:o_{i+1}] += weights[s, o_i:o_{i+1}, :rank[s]] @ x[t, i*R : i*R + rank[s]]``
     for each slice ``i``; nothing past a slot's rank is read, nothing added for slot -1."""
     if torch.compiler.is_compiling():  # one custom op that updates base_output in place
+        _check_no_sources(sources)
         out = base_output if base_output is not None else x.new_zeros(x.shape[0], slice_offsets[-1])
         key, host = batch_args(batch_info, x, weights, out)
         torch.ops.lora_cuda.expand_(x, weights, key, host, list(slice_offsets), out, kernel)
         return out
     if batch_info.use_graph:
         batch_key(batch_info)
-    return graph_expand(x, weights, batch_info, slice_offsets, base_output, kernel)
+    return graph_expand(x, weights, batch_info, slice_offsets, base_output, kernel, sources)
+
+
+def _check_no_sources(sources: torch.Tensor | None) -> None:
+    if sources is not None:  # the custom ops take a batch, not its rows' sources
+        raise ValueError("sources are not taken under torch.compile: gather the inputs by sources first")
 
 
 def sgemm_lora_a_embedding_graph_fwd(

@@ -25,11 +25,14 @@ from typing import Sequence
 import torch
 
 from lora_core import BatchInfo
+from lora_core.pair_rows import PairRows
+from lora_core.batch_info_backend import check_pair_rows, expand_rows, gather_token_rows
 from lora_core.validation import (
     check_embedding_inputs,
     check_offsets_readable,
     check_lora_a_inputs,
     check_lora_b_inputs,
+    check_num_tokens,
     check_token_ids,
 )
 
@@ -57,6 +60,7 @@ def sgemm_lora_a_fwd(
     *,
     graph_safe: bool = False,
     graph_kernel: str = "auto",
+    pair_rows: bool = False,
 ) -> torch.Tensor:
     """Scaled shrink per slot. ``x: (T, in)``, ``weights: (L, c*R, in)`` -> ``(T, c*R)``
     in ``x.dtype``; columns beyond a slot's rank and rows of slot -1 are zero.
@@ -65,7 +69,15 @@ def sgemm_lora_a_fwd(
     slot rank and scaling)::
 
         out[t, i*R : i*R + r] = s * x[t] @ weights[slot_t, i*R : i*R + r].T
+
+    ``pair_rows=True`` (a batch with weighted mixes, ``batch_info.pairs``): the op runs over the
+    batch's rows with pair rows, ``batch_info.pairs.view`` (its token rows, then its pair rows), each
+    reading the row of ``x`` of its token (``pairs.token_rows``), and returns ``(N, c*R)``, a row per
+    row: ``out[n] = s_n * x[token_rows[n]] @ weights[slot_n].T``. The kernels read ``x`` by token
+    row themselves, except under ``torch.compile``, where ``x`` is gathered first.
     """
+    if pair_rows:
+        return _pair_shrink(x, weights, batch_info, num_slices, graph_safe, graph_kernel)
     if torch.compiler.is_compiling():  # checked and run inside lora_cuda::shrink, when it runs
         return sgemm_lora_a_graph_fwd(x, weights, batch_info, num_slices, kernel=check_graph_kernel(graph_kernel))
     check_lora_a_inputs(x, weights, batch_info, num_slices)
@@ -83,6 +95,7 @@ def sgemm_lora_b_fwd(
     *,
     graph_safe: bool = False,
     graph_kernel: str = "auto",
+    pair_rows: bool = False,
 ) -> torch.Tensor:
     """Expand per slice. ``x: (T, c*R)``, ``weights: (L, out_total, R)``,
     ``slice_offsets: [0, o1, ..., out_total]`` -> ``(T, out_total)``; when
@@ -92,7 +105,13 @@ def sgemm_lora_b_fwd(
     Semantics::
 
         out[t, o_i : o_{i+1}] += x[t, i*R : i*R + r] @ weights[slot_t, o_i : o_{i+1}, :r].T
+
+    ``pair_rows=True``: the expand of the shrink with ``pair_rows=True``: ``x (N, c*R)``, a row per row
+    of ``batch_info.pairs.view``, each row's delta added into its token's row of ``base_output
+    (T, out_total)``: ``out[token_rows[n]] += x[n] @ weights[slot_n].T`` (rows of one token accumulate).
     """
+    if pair_rows:
+        return _pair_expand(x, weights, batch_info, slice_offsets, base_output, graph_safe, graph_kernel)
     if torch.compiler.is_compiling():  # checked and run inside lora_cuda::expand_, when it runs
         return sgemm_lora_b_graph_fwd(x, weights, batch_info, _compiled_offsets(slice_offsets), base_output,
                                       kernel=check_graph_kernel(graph_kernel))
@@ -136,6 +155,46 @@ def sgemm_lora_a_embedding_fwd(
     if graph_safe or batch_info.use_graph:
         return sgemm_lora_a_embedding_graph_fwd(ids, weights, batch_info, num_valid)
     return sgemm_lora_a_embedding_control_fwd(ids, weights, batch_info, num_valid)
+
+
+def _pair_shrink(x: torch.Tensor, weights: torch.Tensor, batch_info: BatchInfo, num_slices: int, graph_safe: bool,
+                 graph_kernel: str) -> torch.Tensor:
+    """:func:`sgemm_lora_a_fwd` with ``pair_rows=True``."""
+    pairs = _pairs_of(batch_info)
+    if torch.compiler.is_compiling():  # the custom ops take a batch as rows: its inputs gathered
+        (rows,) = gather_token_rows(batch_info, (x,))
+        return sgemm_lora_a_fwd(rows, weights, pairs.view, num_slices, graph_kernel=graph_kernel)
+    check_lora_a_inputs(x, weights, batch_info, num_slices)  # x: the tokens; the rows share their slots
+    if graph_safe or pairs.view.use_graph:
+        return sgemm_lora_a_graph_fwd(x, weights, pairs.view, num_slices, kernel=check_graph_kernel(graph_kernel),
+                                      sources=pairs.token_rows)
+    return sgemm_lora_a_control_fwd(x, weights, pairs.view, num_slices, pairs.token_rows)
+
+
+def _pair_expand(x: torch.Tensor, weights: torch.Tensor, batch_info: BatchInfo,
+                 slice_offsets: Sequence[int] | torch.Tensor, base_output: torch.Tensor | None, graph_safe: bool,
+                 graph_kernel: str) -> torch.Tensor:
+    """:func:`sgemm_lora_b_fwd` with ``pair_rows=True``."""
+    pairs = _pairs_of(batch_info)
+    if torch.compiler.is_compiling():
+        return expand_rows(batch_info, x, (), lambda rows, shrunk, _, out: sgemm_lora_b_fwd(
+            shrunk, weights, rows, slice_offsets, out, graph_kernel=graph_kernel), base_output)
+    check_pair_rows(batch_info, x)
+    if base_output is not None:
+        check_num_tokens(batch_info, base_output.shape[0], "base_output")
+    offsets = check_lora_b_inputs(x, weights, pairs.view, slice_offsets, base_output,
+                                  base_rows=None if base_output is None else base_output.shape[0])
+    out = base_output if base_output is not None else x.new_zeros(batch_info.num_tokens, offsets[-1])
+    if graph_safe or pairs.view.use_graph:
+        return sgemm_lora_b_graph_fwd(x, weights, pairs.view, offsets, out, kernel=check_graph_kernel(graph_kernel),
+                                      sources=pairs.token_rows)
+    return sgemm_lora_b_control_fwd(x, weights, pairs.view, offsets, out, pairs.token_rows)
+
+
+def _pairs_of(batch_info: BatchInfo) -> PairRows:
+    if batch_info.pairs is None:
+        raise ValueError("pair_rows=True takes a batch with weighted mixes (batch_info.pairs), and this one has none")
+    return batch_info.pairs
 
 
 def _compiled_offsets(slice_offsets: Sequence[int] | torch.Tensor) -> tuple[int, ...]:
