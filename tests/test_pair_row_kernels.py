@@ -6,8 +6,8 @@ adds its delta into its token's row, with no gathered copy of ``x``, no zero-fil
 scatter of it afterwards. Every path is checked here, against lora_core's reference math and against
 ``BatchInfoBackend``'s own pair ops (which gather ``x`` by token row and scatter the deltas back: what a
 backend without such kernels runs): the control plan's three layouts (segments, slot groups, slot
-blocks), the grouped and blocked graph-safe kernels, eager and graph-mode batches, a new output and a
-strided one (a column view, as vLLM passes one slice of a packed output), fp32 and bf16. Captures,
+blocks), the grouped and blocked graph-safe kernels (the grouped one in one and in several chunks of
+sorted rows), eager and graph-mode batches, a new output and a strided one (a column view, as vLLM passes one slice of a packed output), fp32 and bf16. Captures,
 compiles and every device parameter run these kernels in tests/test_request_scales.py (its ``mixes``
 cases).
 """
@@ -29,7 +29,11 @@ MIXES = {
     # single tokens spread evenly over the slots: one block per slot (one bmm)
     "slot blocks": ([1] * 24, [{s: 0.6, (s + 1) % 4: 0.4} if t % 3 == 0 else s for t, s in
                                ((t, t % 4) for t in range(24))]),
+    # 1120 rows: over the grouped kernel's 512 sorted rows per chunk on CPU (and segments, eagerly)
+    "chunks": ([300, 260], [{0: 0.5, 1: 1.0}, {3: 0.7, 1: 0.3}]),
 }
+CONTROL_LAYOUTS = {"segments": "segments", "slot groups": "slot groups", "slot blocks": "slot blocks",
+                   "chunks": "segments"}
 
 
 def _control_layout(info) -> str:
@@ -46,10 +50,12 @@ def _control_layout(info) -> str:
 @pytest.mark.parametrize("into", ["new", "column view"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_every_kernel_path_reads_the_pair_rows_by_token_row(backend_name, kernel, layout, mode, into, dtype):
+    if backend_name == "torch_native" and mode == "eager" and kernel != "auto":
+        pytest.skip("torch_native's eager batches run the control plan, whatever the graph kernel")
     seq_lens, slot_ids = MIXES[layout]
     T = sum(seq_lens)
     scales = [0.5 + 0.25 * (i % 4) for i in range(len(seq_lens))]
-    gen = torch.Generator().manual_seed(len(layout) + 7 * (mode == "graph"))
+    gen = torch.Generator().manual_seed(list(MIXES).index(layout) + 7 * (mode == "graph"))
     a, b, offsets = random_linear_weights(gen, num_slots=len(RANKS), max_rank=8, in_features=24, slice_widths=[16, 8, 8],
                                           lora_ranks=RANKS, dtype=dtype, device="cpu")
     x = torch.randn(T, 24, generator=gen).to(dtype)
@@ -61,7 +67,7 @@ def test_every_kernel_path_reads_the_pair_rows_by_token_row(backend_name, kernel
     backend = get_backend(backend_name)("cpu", graph_kernel=kernel)
     backend.prepare_batch(info)
     if backend_name == "torch_native" and mode == "eager":  # keep the layouts honest
-        assert _control_layout(info) == layout
+        assert _control_layout(info) == CONTROL_LAYOUTS[layout]
 
     def run(pair_shrink, pair_expand):
         base = wide.clone()
@@ -85,3 +91,31 @@ def test_every_kernel_path_reads_the_pair_rows_by_token_row(backend_name, kernel
             delta += wide[:, 2 : 2 + offsets[-1]].float()
         assert_close_to_reference(out[:T], delta, dtype)  # a new graph-mode output has the capacity's rows
         assert not out[T:].any()
+
+
+@pytest.mark.parametrize("backend_name", BACKENDS)
+def test_pair_rows_need_a_batch_with_mixes_and_the_expand_its_tokens_output(backend_name):
+    from lora_cuda.control_ops import sgemm_lora_b_control_fwd
+    from lora_cuda.graph_kernels import graph_expand
+    from lora_cuda.ops import sgemm_lora_a_fwd
+
+    gen = torch.Generator().manual_seed(0)
+    a, b, offsets = random_linear_weights(gen, num_slots=2, max_rank=4, in_features=8, slice_widths=[6],
+                                          lora_ranks=[4, 2], dtype=torch.float32, device="cpu")
+    x = torch.randn(5, 8, generator=gen)
+    plain = build_batch_info([3, 2], [0, 1], [4, 2], [1.0, 1.0], device="cpu")
+    with pytest.raises(ValueError, match=r"pair_rows=True takes a batch with weighted mixes"):
+        sgemm_lora_a_fwd(x, a, plain, pair_rows=True)
+    mixed = build_batch_info([3, 2], [{0: 0.5, 1: 0.5}, 1], [4, 2], [1.0, 1.0], device="cpu")
+    backend = get_backend(backend_name)("cpu")
+    backend.prepare_batch(mixed)
+    shrunk = backend.pair_shrink(x, a, mixed, 1)
+    view, sources = mixed.pairs.view, mixed.pairs.token_rows
+    for expand in (lambda: graph_expand(shrunk, b, view, offsets, None, "auto", sources),
+                   lambda: sgemm_lora_b_control_fwd(shrunk, b, view, offsets, None, sources)):
+        with pytest.raises(ValueError, match=r"an expand with sources adds into its tokens' rows: pass base_output"):
+            expand()
+    with pytest.raises(ValueError, match=r"base_output has 4 rows but the batch info was built for 5 tokens"):
+        backend.pair_expand(shrunk, b, mixed, offsets, torch.zeros(4, 6))
+    with pytest.raises(ValueError, match=r"x has 5 rows; a shrink of this batch gives 8"):
+        backend.pair_expand(shrunk[:5], b, mixed, offsets, torch.zeros(5, 6))

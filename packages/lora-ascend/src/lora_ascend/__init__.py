@@ -8,7 +8,7 @@ on any torch device; importing it never requires torch_npu.
 
 from .backend import AscendBackend
 from .embedding import vectorized_lora_a_embedding_fwd
-from .ops import vectorized_lora_a_fwd, vectorized_lora_b_fwd
+from .ops import vectorized_lora_a_fwd, vectorized_lora_b_fwd, vectorized_pair_lora_a_fwd, vectorized_pair_lora_b_fwd
 
 __version__ = "0.1.0"
 
@@ -17,4 +17,6 @@ __all__ = [
     "vectorized_lora_a_embedding_fwd",
     "vectorized_lora_a_fwd",
     "vectorized_lora_b_fwd",
+    "vectorized_pair_lora_a_fwd",
+    "vectorized_pair_lora_b_fwd",
 ]

@@ -18,7 +18,7 @@ from .request_scales import apply_request_scales
 from .validation import (check_added_token_inputs, check_experts_lora_inputs, check_num_tokens, check_token_ids,
                          normalize_slice_offsets)
 
-__all__ = ["BatchInfoBackend"]
+__all__ = ["BatchInfoBackend", "shrink_rows", "expand_rows", "gather_token_rows", "check_pair_rows"]
 
 Shrink = Callable[[BatchInfo, tuple[torch.Tensor, ...]], torch.Tensor]
 Expand = Callable[[BatchInfo, torch.Tensor, tuple[torch.Tensor, ...], torch.Tensor | None], torch.Tensor]
@@ -76,7 +76,9 @@ class BatchInfoBackend(LoRABackend):
     implements every ``run_*`` method, the packed projections (any number of slices)
     and the LM head as a shrink followed by an expand, and the added-token rows; applies
     the request scales to each shrink's output, and runs a batch's pair rows (weighted
-    mixes: :func:`shrink_rows`, :func:`expand_rows`), so that no kernel knows of either.
+    mixes: :meth:`pair_shrink` and :meth:`pair_expand` for the linear ops, which a backend
+    whose kernels read rows through an index may override; :func:`shrink_rows` and
+    :func:`expand_rows` for the others), so that no kernel knows of either.
     Subclasses implement :meth:`plan_types`, :meth:`shrink`, :meth:`expand`,
     :meth:`embedding_shrink`, :meth:`dora_scale`, :meth:`experts_lora`, :meth:`experts_shrink`
     and :meth:`experts_expand` (still abstract here).

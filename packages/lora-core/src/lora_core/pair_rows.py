@@ -5,10 +5,11 @@ adapter runs on its token rows, at ``scale * w_a`` (a request scale like any oth
 adapter on a pair row per (token, adapter), at ``scale * w_i``. A batch with mixes runs its LoRA ops
 over one batch of rows: its token rows, then its pair rows (one request per (mixed request, further
 adapter), in request order), each row with its slot, its scale and the token row it reads its input
-from and adds its delta to. An op gathers its inputs by those token rows, runs each kernel once over
-all the rows, and adds every row's delta into its token's row
-(:class:`~lora_core.batch_info_backend.BatchInfoBackend`): the kernels see a batch like any other,
-and a batch without mixes has no pair rows and launches what it did.
+from and adds its delta to. An op runs each kernel once over all the rows, each reading its token's
+row of the inputs and adding its delta into its token's row
+(:class:`~lora_core.batch_info_backend.BatchInfoBackend`): the inputs gathered by token row and the
+deltas added back, or, where the backend's kernels gather and scatter rows anyway, through
+:attr:`PairRows.token_rows`. A batch without mixes has no pair rows and launches what it did.
 
 :class:`PairRows` is the one owner of that batch of rows. An eager batch builds it with the batch
 when the batch has mixes; a graph-mode batch with a pair capacity (``max_pairs - max_tokens``)

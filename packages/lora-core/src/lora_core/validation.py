@@ -210,10 +210,10 @@ def check_lora_b_inputs(
     batch_info: BatchInfo,
     slice_offsets: Sequence[int] | torch.Tensor,
     base_output: torch.Tensor | None,
-    base_rows: int | None = None,
+    base_batch: BatchInfo | None = None,
 ) -> tuple[int, ...]:
-    """``x (T, c*R)``, ``weights (L, out_total, R)``, ``base_output (T, out_total)`` (``(base_rows,
-    out_total)`` when given: a batch's pair rows add into its tokens); returns the slice offsets as ints."""
+    """``x (T, c*R)``, ``weights (L, out_total, R)``, ``base_output (T, out_total)``, or with a row per token
+    of ``base_batch`` when given (a batch's pair rows add into its tokens); returns the slice offsets as ints."""
     offsets = normalize_slice_offsets(slice_offsets)
     dtype, device = _check_x_and_weights(x, weights, batch_info)
     num_slices, out_total = len(offsets) - 1, offsets[-1]
@@ -232,7 +232,9 @@ def check_lora_b_inputs(
     if base_output is not None:
         _check_tensor("base_output", base_output, 2)
         _check_same("base_output", base_output, "x", dtype, device)
-        if base_output.shape != (want := (num_rows if base_rows is None else base_rows, out_total)):
+        if base_batch is not None:
+            check_num_tokens(base_batch, base_output.shape[0], "base_output")
+        if base_output.shape != (want := (num_rows if base_batch is None else base_output.shape[0], out_total)):
             raise ValueError(f"base_output must have shape {want}, got {_describe(base_output)}")
     return offsets
 

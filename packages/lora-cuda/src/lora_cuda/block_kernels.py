@@ -54,7 +54,7 @@ class _ShrinkOperands(NamedTuple):
     shrunk_rows: torch.Tensor  # its (NB*b, c*R) view, gathered into the result
     scales: torch.Tensor  # (NB, b, c*R) column tables
     outside: torch.Tensor
-    token_rows: torch.Tensor  # (T,): each row of x's position in the blocks
+    token_rows: torch.Tensor  # (T,): each output row's position in the blocks
 
 
 class _ExpandOperands(NamedTuple):
@@ -123,8 +123,8 @@ def block_expand(
     are zeroed in the gathered rows before the GEMM. Gathered rows and the delta live in the
     layout's workspaces. ``out`` may be a strided view (a slice's columns of a wider output):
     each row's delta is then gathered from the blocks (:func:`~lora_cuda.row_updates.gather_add_rows_`).
-    With ``sources (N,)`` int64 (``x`` a batch's rows with pair rows, ``out (T, out_total)`` its tokens):
-    row ``n``'s delta is added into ``out[sources[n]]``."""
+    With ``sources (N,)`` int64 (``x (N, c*R)`` a batch's rows with pair rows, ``out (T, out_total)`` its
+    tokens): row ``n``'s delta is added into ``out[sources[n]]``."""
     R, num_slices, dtype = weights.shape[2], len(slice_offsets) - 1, x.dtype
     ops = blocks.call_operands(("expand", x.shape[1], slice_offsets, dtype), _expand_operands,
                                R, num_slices, slice_offsets[-1], dtype)

@@ -30,7 +30,7 @@ from lora_core import BatchInfo, is_capturing
 from .block_kernels import block_expand, block_shrink
 from .control_plan import ControlPlan
 from .graph_ops import sgemm_lora_a_embedding_graph_fwd
-from .row_updates import index_add_rows_
+from .row_updates import check_sources_output, index_add_rows_
 
 __all__ = [
     "sgemm_lora_a_control_fwd",
@@ -60,7 +60,7 @@ def sgemm_lora_a_control_fwd(
     plan = batch_info.plan(ControlPlan)
     if plan.slot_blocks is not None:
         return block_shrink(x, weights, plan.slot_blocks, num_slices, sources)
-    T, cR = batch_info.num_tokens, weights.shape[1]
+    T, cR = (x.shape[0] if sources is None else sources.shape[0]), weights.shape[1]
     R = cR // num_slices
     out = x.new_zeros(T, cR)
     if plan.by_slot:
@@ -88,11 +88,12 @@ def sgemm_lora_b_control_fwd(
     sources: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Expand. ``x: (T, c*R)``, ``weights: (L, out_total, R)``, ``slice_offsets: (0, ..., out_total)``
-    -> ``(T, out_total)``, accumulated into ``base_output`` in place when given. With ``sources (T,)``
-    int64 (``x`` a batch's rows with pair rows, ``base_output`` its tokens, required): row ``t``'s
-    delta is added into ``base_output[sources[t]]``."""
+    -> ``(T, out_total)``, accumulated into ``base_output`` in place when given. With ``sources (N,)``
+    int64 (``x (N, c*R)`` a batch's rows with pair rows, ``base_output`` its tokens, required): row
+    ``n``'s delta is added into ``base_output[sources[n]]``."""
     if is_capturing():
         raise _capture_error("sgemm_lora_b_control_fwd")
+    check_sources_output(sources, base_output)
     out = base_output if base_output is not None else x.new_zeros(x.shape[0], slice_offsets[-1])
     plan = batch_info.plan(ControlPlan)
     if plan.slot_blocks is not None:

@@ -10,10 +10,11 @@ loop never reads a device tensor. Three layouts, chosen once per batch:
   and segments are short (decode batches of many single-token requests);
 * **slot blocks** (:class:`SlotBlocks`): the same slot groups padded to the
   largest one, so all slots run in one ``bmm`` (:mod:`lora_cuda.block_kernels`):
-  chosen over slot groups when padding at most doubles the rows and adds at most
-  :data:`SLOT_BLOCKS_PADDING_PER_GEMM` rows per GEMM it saves, since one batched
-  GEMM costs far less than a GEMM per slot at decode sizes, and padding rows cost
-  more than the GEMMs at prefill sizes (docs/benchmarks.md).
+  chosen over slot groups when padding at most doubles the rows, since one batched
+  GEMM costs far less than a GEMM per slot at decode sizes, and, on a device whose
+  launches cost nothing but their host call (the CPU), adds at most
+  :data:`SLOT_BLOCKS_PADDING_PER_GEMM` rows per GEMM it saves: there the padding
+  rows of a prefill cost more than the GEMMs (docs/benchmarks.md).
 
 Only the chosen layout is built, with a few NumPy ops on the batch's host
 mirrors; the Python loop runs over segments or slots, never over tokens.
@@ -28,6 +29,7 @@ import numpy as np
 import torch
 
 from lora_core import BatchInfo, BatchPlan
+from lora_core.platforms import platform_for
 from lora_core.staging import publish_arrays
 
 from .kernel_tables import KernelTables
@@ -44,7 +46,8 @@ SLOT_BLOCKS_MAX_PADDING = 2.0
 most this many times the tokens with an adapter."""
 
 SLOT_BLOCKS_PADDING_PER_GEMM = 16
-"""... and when their padding rows are at most this many per GEMM they save (slots used - 1).
+"""Where launches cost nothing but their host call (``Platform.launches_cost`` false: the CPU), slot
+blocks also need their padding rows to be at most this many per GEMM they save (slots used - 1).
 Measured on one ``256 x 256`` module at rank 64 (torch 2.13, 2-core AMD EPYC; docs/benchmarks.md,
 "slot blocks or slot groups"): slot blocks took 0.5-0.8 of the groups' time at decode (24-32
 padding rows over 4 slots), 1.1-1.6 of it at prefill (128-224 padding rows)."""
@@ -151,8 +154,10 @@ class ControlPlan(BatchPlan):
         used_list, counts_list = used.tolist(), counts.tolist()  # (Python ints: NumPy's max costs more here)
         groups = tuple(TokenGroup(s, ranks[s], scalings[s], end - n, end)
                        for s, n, end in zip(used_list, counts_list, itertools.accumulate(counts_list)))
-        padding, saved_gemms = len(used_list) * max(counts_list) - num_tokens, len(used_list) - 1
-        if padding <= min((SLOT_BLOCKS_MAX_PADDING - 1) * num_tokens, SLOT_BLOCKS_PADDING_PER_GEMM * saved_gemms):
+        padding, limit = len(used_list) * max(counts_list) - num_tokens, (SLOT_BLOCKS_MAX_PADDING - 1) * num_tokens
+        if not platform_for(batch_info.device).launches_cost:
+            limit = min(limit, SLOT_BLOCKS_PADDING_PER_GEMM * (len(used_list) - 1))
+        if padding <= limit:
             return cls(True, groups, None, SlotBlocks(batch_info, perm, used, counts))
         return cls(True, groups, torch.from_numpy(perm).to(batch_info.device))
 

@@ -46,7 +46,7 @@ from lora_core.platforms import platform_for
 
 from .block_kernels import block_expand, block_shrink
 from .graph_plans import BlockPlan, SortedPlan
-from .row_updates import gather_add_rows_
+from .row_updates import check_sources_output, gather_add_rows_
 
 __all__ = [
     "GRAPH_KERNELS",
@@ -137,8 +137,9 @@ def graph_expand(x: torch.Tensor, weights: torch.Tensor, batch_info: BatchInfo, 
                  base_output: torch.Tensor | None, kernel: str, sources: torch.Tensor | None = None) -> torch.Tensor:
     """Expand. ``x: (T, c*R)``, ``weights: (L, out_total, R)`` -> ``(T, out_total)``,
     accumulated into ``base_output`` in place when given; ``kernel`` as for the shrink. With
-    ``sources (T,)`` int64 (``x`` a batch's rows with pair rows, ``base_output`` its tokens, required):
-    row ``t``'s delta is added into ``base_output[sources[t]]``."""
+    ``sources (N,)`` int64 (``x (N, c*R)`` a batch's rows with pair rows, ``base_output`` its tokens,
+    required): row ``n``'s delta is added into ``base_output[sources[n]]``."""
+    check_sources_output(sources, base_output)
     T, cR = x.shape
     L, R, out_total = weights.shape[0], weights.shape[2], slice_offsets[-1]
     num_slices = len(slice_offsets) - 1
@@ -154,14 +155,14 @@ def graph_expand(x: torch.Tensor, weights: torch.Tensor, batch_info: BatchInfo, 
         ys_slices = [ys] if num_slices == 1 else [ys[:, i * R : (i + 1) * R].contiguous() for i in range(num_slices)]
         weights_t = [weights[:, slice_offsets[i] : slice_offsets[i + 1]].transpose(1, 2) for i in range(num_slices)]
         # a strided out (one slice of a wider output) takes the chunks' deltas through one contiguous buffer
-        gathers = len(plan.chunks) == 1 and sources is None
-        target = out if gathers or out.is_contiguous() else out.new_zeros(out.shape)
+        add_by_gather = len(plan.chunks) == 1 and sources is None
+        target = out if add_by_gather or out.is_contiguous() else out.new_zeros(out.shape)
         for c in plan.chunks:  # each chunk's delta is added before the next one's is computed
             parts = [torch._grouped_mm(y[c.start : c.stop], w, offs=c.group_ends) for y, w in zip(ys_slices, weights_t)]
             delta = parts[0] if num_slices == 1 else torch.cat(parts, dim=1)
             if sources is not None:  # a token may have several rows
                 target.index_add_(0, sources.index_select(0, c.tokens), delta)
-            elif gathers:  # every row's delta is here, at token_rows (rank-0 rows: zeros)
+            elif add_by_gather:  # every row's delta is here, at token_rows (rank-0 rows: zeros)
                 gather_add_rows_(out, plan.token_rows[:T], delta, c.tokens)
             else:
                 target.index_add_(0, c.tokens, delta)

@@ -20,19 +20,17 @@ loop would specialize the compiled code to one batch's segments). docs/compile.m
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
 from lora_core import BatchInfo
-from lora_core.pair_rows import PairRows
 from lora_core.batch_info_backend import check_pair_rows, expand_rows, gather_token_rows
 from lora_core.validation import (
     check_embedding_inputs,
     check_offsets_readable,
     check_lora_a_inputs,
     check_lora_b_inputs,
-    check_num_tokens,
     check_token_ids,
 )
 
@@ -48,6 +46,9 @@ from .graph_ops import (
     sgemm_lora_a_graph_fwd,
     sgemm_lora_b_graph_fwd,
 )
+
+if TYPE_CHECKING:
+    from lora_core.pair_rows import PairRows
 
 __all__ = ["sgemm_lora_a_fwd", "sgemm_lora_b_fwd", "sgemm_lora_a_embedding_fwd"]
 
@@ -70,7 +71,8 @@ def sgemm_lora_a_fwd(
 
         out[t, i*R : i*R + r] = s * x[t] @ weights[slot_t, i*R : i*R + r].T
 
-    ``pair_rows=True`` (a batch with weighted mixes, ``batch_info.pairs``): the op runs over the
+    ``pair_rows=True`` (a batch with weighted mixes, ``batch_info.pairs``; ``ValueError`` for a batch
+    without): the op runs over the
     batch's rows with pair rows, ``batch_info.pairs.view`` (its token rows, then its pair rows), each
     reading the row of ``x`` of its token (``pairs.token_rows``), and returns ``(N, c*R)``, a row per
     row: ``out[n] = s_n * x[token_rows[n]] @ weights[slot_n].T``. The kernels read ``x`` by token
@@ -179,11 +181,9 @@ def _pair_expand(x: torch.Tensor, weights: torch.Tensor, batch_info: BatchInfo,
     if torch.compiler.is_compiling():
         return expand_rows(batch_info, x, (), lambda rows, shrunk, _, out: sgemm_lora_b_fwd(
             shrunk, weights, rows, slice_offsets, out, graph_kernel=graph_kernel), base_output)
-    check_pair_rows(batch_info, x)
-    if base_output is not None:
-        check_num_tokens(batch_info, base_output.shape[0], "base_output")
-    offsets = check_lora_b_inputs(x, weights, pairs.view, slice_offsets, base_output,
-                                  base_rows=None if base_output is None else base_output.shape[0])
+    if isinstance(x, torch.Tensor) and x.dim() > 0:  # its rows first: the message names the pair rows
+        check_pair_rows(batch_info, x)
+    offsets = check_lora_b_inputs(x, weights, pairs.view, slice_offsets, base_output, base_batch=batch_info)
     out = base_output if base_output is not None else x.new_zeros(batch_info.num_tokens, offsets[-1])
     if graph_safe or pairs.view.use_graph:
         return sgemm_lora_b_graph_fwd(x, weights, pairs.view, offsets, out, kernel=check_graph_kernel(graph_kernel),

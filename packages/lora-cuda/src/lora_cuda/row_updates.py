@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["index_add_rows_", "gather_add_rows_"]
+__all__ = ["index_add_rows_", "gather_add_rows_", "check_sources_output"]
 
 
 def index_add_rows_(out: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -37,3 +37,10 @@ def gather_add_rows_(out: torch.Tensor, source_rows: torch.Tensor, rows: torch.T
     if out.is_contiguous():
         return out.index_add_(0, scatter_index, rows)
     return out.add_(rows.index_select(0, source_rows))
+
+
+def check_sources_output(sources: torch.Tensor | None, base_output: torch.Tensor | None) -> None:
+    """An expand whose rows add into other rows (``sources``: a batch's rows with pair rows) needs the
+    output they add into: ``ValueError`` when it is missing."""
+    if sources is not None and base_output is None:
+        raise ValueError("an expand with sources adds into its tokens' rows: pass base_output (T, out_total)")
