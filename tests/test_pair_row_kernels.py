@@ -12,6 +12,10 @@ compiles and every device parameter run these kernels in tests/test_request_scal
 cases).
 """
 
+import importlib.util
+import re
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -119,3 +123,19 @@ def test_pair_rows_need_a_batch_with_mixes_and_the_expand_its_tokens_output(back
         backend.pair_expand(shrunk, b, mixed, offsets, torch.zeros(4, 6))
     with pytest.raises(ValueError, match=r"x has 5 rows; a shrink of this batch gives 8"):
         backend.pair_expand(shrunk[:5], b, mixed, offsets, torch.zeros(5, 6))
+
+
+def test_the_slot_layouts_benchmark_checks_both_layouts_then_times_them(capsys):
+    """examples/bench_slot_layouts.py in smoke sizes (what docs/benchmarks.md's "slot blocks or slot groups"
+    figures come from): both layouts give the same delta, and it reports each case's ratio and the plan's
+    choice (the figures are timings: only their form is checked)."""
+    path = Path(__file__).resolve().parents[1] / "examples" / "bench_slot_layouts.py"
+    spec = importlib.util.spec_from_file_location("example_bench_slot_layouts", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--smoke"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^decode 32, even: 32 rows, 0 padding rows over 4 slots; slot blocks / slot groups \d+\.\d\d "
+                     r"\(.*\); the plan picks slot blocks$", out, re.M), out
+    assert re.search(r"^prefill 8 x 32, a quarter mixed: 288 rows, 224 padding rows over 4 slots; .*; the plan picks "
+                     r"slot groups$", out, re.M), out

@@ -48,9 +48,10 @@ most this many times the tokens with an adapter."""
 SLOT_BLOCKS_PADDING_PER_GEMM = 16
 """Where launches cost nothing but their host call (``Platform.launches_cost`` false: the CPU), slot
 blocks also need their padding rows to be at most this many per GEMM they save (slots used - 1).
-Measured on one ``256 x 256`` module at rank 64 (torch 2.13, 2-core AMD EPYC; docs/benchmarks.md,
-"slot blocks or slot groups"): slot blocks took 0.5-0.8 of the groups' time at decode (24-32
-padding rows over 4 slots), 1.1-1.6 of it at prefill (128-224 padding rows)."""
+Measured on one ``h x h`` module at rank 64 over 4 slots (``examples/bench_slot_layouts.py``, torch 2.13,
+2-core AMD EPYC; docs/benchmarks.md, "slot blocks or slot groups"): at ``h = 256`` slot blocks took
+0.57-0.77 of the slot groups' time at decode (0-32 padding rows) and 1.26-1.57 times it at prefill
+(128-224 padding rows); at ``h = 1024``, 0.63-1.00 and 0.99-1.29."""
 
 
 class TokenGroup(NamedTuple):
