@@ -25,7 +25,7 @@ from typing import Callable, Hashable, NamedTuple, Protocol, TypeVar
 
 import torch
 
-from .row_updates import gather_add_rows_, index_add_rows_
+from .row_updates import gather_add_rows_, index_add_rows_, through_sources
 
 __all__ = ["BlockLayout", "block_shrink", "block_expand"]
 
@@ -106,8 +106,7 @@ def block_shrink(x: torch.Tensor, weights: torch.Tensor, blocks: BlockLayout, nu
     rows = x_shape[0] if sources is None else sources.shape[0]
     ops = blocks.call_operands(("shrink", x_shape, w_shape, num_slices, dtype, rows), _shrink_operands,
                                rows, x_shape[1], cR // num_slices, num_slices, dtype)
-    cells = blocks.block_tokens if sources is None else sources.index_select(0, blocks.block_tokens)
-    torch.index_select(x, 0, cells, out=ops.rows)
+    torch.index_select(x, 0, through_sources(blocks.block_tokens, sources), out=ops.rows)
     torch.bmm(ops.blocks, blocks.block_weights(weights).transpose(1, 2), out=ops.shrunk)
     ops.shrunk.mul_(ops.scales).masked_fill_(ops.outside, 0)  # padding rows are 0; so is inf*0 = NaN beyond a rank
     return ops.shrunk_rows.index_select(0, ops.token_rows)
@@ -141,5 +140,5 @@ def block_expand(
     # a padding row's delta is zero (its gathered row is masked) and every row of out has one block row,
     # or with sources, any number of them
     if sources is not None:
-        return index_add_rows_(out, sources.index_select(0, blocks.block_tokens), ops.delta_rows)
+        return index_add_rows_(out, through_sources(blocks.block_tokens, sources), ops.delta_rows)
     return gather_add_rows_(out, blocks.token_rows[: out.shape[0]], ops.delta_rows, blocks.block_tokens)

@@ -30,7 +30,7 @@ from lora_core import BatchInfo, is_capturing
 from .block_kernels import block_expand, block_shrink
 from .control_plan import ControlPlan
 from .graph_ops import sgemm_lora_a_embedding_graph_fwd
-from .row_updates import check_sources_output, index_add_rows_
+from .row_updates import check_sources_output, index_add_rows_, through_sources
 
 __all__ = [
     "sgemm_lora_a_control_fwd",
@@ -64,7 +64,7 @@ def sgemm_lora_a_control_fwd(
     R = cR // num_slices
     out = x.new_zeros(T, cR)
     if plan.by_slot:
-        perm = plan.token_perm if sources is None else sources.index_select(0, plan.token_perm)
+        perm = through_sources(plan.token_perm, sources)
         src, dst = x.index_select(0, perm), x.new_zeros(perm.shape[0], cR)
     else:
         src, dst = (x if sources is None else x.index_select(0, sources)), out
@@ -108,7 +108,7 @@ def sgemm_lora_b_control_fwd(
             for i in range(num_slices):
                 cols = slice(slice_offsets[i], slice_offsets[i + 1])
                 torch.mm(yp[rows, i * R : i * R + g.rank], weights[g.slot, cols, : g.rank].t(), out=delta[rows, cols])
-        index_add_rows_(out, perm if sources is None else sources.index_select(0, perm), delta)
+        index_add_rows_(out, through_sources(perm, sources), delta)
         return out
     if sources is not None:  # the segments' rows are not out's: their deltas are added by token afterwards
         delta = x.new_zeros(x.shape[0], slice_offsets[-1])

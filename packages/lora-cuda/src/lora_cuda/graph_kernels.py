@@ -46,7 +46,7 @@ from lora_core.platforms import platform_for
 
 from .block_kernels import block_expand, block_shrink
 from .graph_plans import BlockPlan, SortedPlan
-from .row_updates import check_sources_output, gather_add_rows_
+from .row_updates import check_sources_output, gather_add_rows_, through_sources
 
 __all__ = [
     "GRAPH_KERNELS",
@@ -123,8 +123,7 @@ def graph_shrink(x: torch.Tensor, weights: torch.Tensor, batch_info: BatchInfo, 
         weights_t = weights.transpose(1, 2)
         parts = []
         for c in plan.chunks:  # each chunk's rows gathered into one workspace, reused chunk after chunk
-            tokens = c.tokens if sources is None else sources.index_select(0, c.tokens)
-            xs = torch.index_select(x, 0, tokens, out=rows[: c.stop - c.start])
+            xs = torch.index_select(x, 0, through_sources(c.tokens, sources), out=rows[: c.stop - c.start])
             parts.append(torch._grouped_mm(xs, weights_t, offs=c.group_ends))
         ys = parts[0] if len(parts) == 1 else torch.cat(parts)
         ys.mul_(scales).masked_fill_(outside, 0)  # inf*0 beyond a rank is NaN: masked, not multiplied, away
@@ -161,7 +160,7 @@ def graph_expand(x: torch.Tensor, weights: torch.Tensor, batch_info: BatchInfo, 
             parts = [torch._grouped_mm(y[c.start : c.stop], w, offs=c.group_ends) for y, w in zip(ys_slices, weights_t)]
             delta = parts[0] if num_slices == 1 else torch.cat(parts, dim=1)
             if sources is not None:  # a token may have several rows
-                target.index_add_(0, sources.index_select(0, c.tokens), delta)
+                target.index_add_(0, through_sources(c.tokens, sources), delta)
             elif add_by_gather:  # every row's delta is here, at token_rows (rank-0 rows: zeros)
                 gather_add_rows_(out, plan.token_rows[:T], delta, c.tokens)
             else:

@@ -6,13 +6,16 @@ slower on CPU than into a contiguous output of the same shape (torch 2.13 on a 2
 EPYC: 38 against 11 us for 32 rows of 1024 columns, 2.9 against 0.25 ms for 2048 rows;
 docs/benchmarks.md). The expands therefore add into a strided output through a contiguous
 buffer, or, where each row of the output has exactly one source row, by gathering.
+
+A batch's rows with pair rows (weighted mixes) read their inputs and add their deltas at their
+tokens' rows: :func:`through_sources` is the one way a kernel's row index reaches them.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["index_add_rows_", "gather_add_rows_", "check_sources_output"]
+__all__ = ["index_add_rows_", "gather_add_rows_", "check_sources_output", "through_sources"]
 
 
 def index_add_rows_(out: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -44,3 +47,10 @@ def check_sources_output(sources: torch.Tensor | None, base_output: torch.Tensor
     output they add into: ``ValueError`` when it is missing."""
     if sources is not None and base_output is None:
         raise ValueError("an expand with sources adds into its tokens' rows: pass base_output (T, out_total)")
+
+
+def through_sources(index: torch.Tensor, sources: torch.Tensor | None) -> torch.Tensor:
+    """The rows of its inputs (or outputs) a kernel reaches through ``index (P,)`` int64, rows of its batch:
+    ``index`` itself, or, where the batch's rows are a batch's rows with pair rows and the inputs its tokens
+    (``sources (N,)``: each row's token row), ``sources[index]`` (one small gather)."""
+    return index if sources is None else sources.index_select(0, index)
