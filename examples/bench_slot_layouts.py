@@ -1,14 +1,21 @@
-"""Slot blocks or slot groups: what the eager control plan's two slot layouts cost on one LoRA module.
+"""Slot blocks or slot groups: what the eager control plan's slot layouts cost on one LoRA module.
 
 ``torch_native``'s eager control plan (``lora_cuda.control_plan``) runs a batch of short segments either
 as **slot groups** (each slot's tokens gathered once, one GEMM per slot and slice) or as **slot
-blocks** (the groups padded to the largest one, one ``bmm`` for all slots). One ``bmm`` saves a
-GEMM per slot but multiplies its padding rows too; this times both on the same batches, side by
-side in interleaved rounds (``lora_core.testing.timing``), on one ``h x h`` module at rank 64 over 4
-slots (ranks 8, 16, 32, 64): each round runs every layout once (20 shrink + expand pairs), and a
-case's figure is slot blocks' time over slot groups' in the same round, the median over rounds with
-its min-max spread. It also prints which layout the plan picks (``SLOT_BLOCKS_MAX_PADDING``,
-``SLOT_BLOCKS_PADDING_PER_GEMM``).
+blocks**: one ``bmm`` over one block per slot, each padded to a block size, and, where some slots
+hold more rows than that, a second ``bmm`` over their rest (``SlotBlocks``). One ``bmm`` saves a GEMM
+per slot but multiplies its padding rows too; this times, on the same batches, side by side in
+interleaved rounds (``lora_core.testing.timing``), on one ``h x h`` module at rank 64 over 4 slots
+(ranks 8, 16, 32, 64):
+
+* ``slot blocks``: every slot padded to the largest group, one ``bmm``;
+* ``slot blocks in two runs``: the block size among the groups' sizes that gathers the fewest rows, the rest of the
+  larger groups in a second ``bmm`` (not for batches whose groups are all one size);
+* ``slot groups``: one GEMM per slot.
+
+Each round runs every layout once (20 shrink + expand pairs); a case's figures are each block layout's
+time over slot groups' in the same round, the median over rounds with its min-max spread. It also
+prints which layout the plan picks (``lora_cuda.control_plan.slot_block_size``).
 
     python examples/bench_slot_layouts.py            # h = 256 (lora-sim's width), 15 rounds
     python examples/bench_slot_layouts.py --wide     # h = 1024
@@ -19,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 import sys
 from pathlib import Path
@@ -41,28 +47,36 @@ CASES = {  # (seq_lens, slot ids): batches of short segments spread over the 4 s
                                               for i in range(32)]),
     "decode 64, 24/24/8/8": ([1] * 64, [0, 1, 0, 1, 0, 1, 2, 3] * 8),
     "prefill 8 x 16, 4/1/1/1": ([16] * 8, [0, 1, 0, 2, 0, 3, 0, None]),
+    "prefill 8 x 32, 1/2/2/2": ([32] * 8, [None, 1, 2, 3, 0, 1, 2, 3]),
     "prefill 8 x 32, a quarter mixed": ([32] * 8, [None, {1: 0.6, 2: 0.4}, 2, 3, 0, {1: 0.6, 2: 0.4}, 2, 3]),
     "prefill 8 x 32, 3/2/2/1": ([32] * 8, [0, 1, 0, 2, 0, 1, 2, 3]),
 }
 SMOKE_CASES = {name: CASES[name] for name in ("decode 32, even", "prefill 8 x 32, a quarter mixed")}
 
 
-FORCE = {"slot blocks": dict(SLOT_BLOCKS_MAX_PADDING=math.inf, SLOT_BLOCKS_PADDING_PER_GEMM=math.inf),
-         "slot groups": dict(SLOT_BLOCKS_MAX_PADDING=0.0)}
+LAYOUTS = ("slot blocks", "slot blocks in two runs", "slot groups")
+
+
+def two_run_block_size(counts: list[int]) -> int | None:
+    """The block size below the largest group that gathers the fewest rows (``None``: one group size)."""
+    largest = max(counts)
+    gathered = {b: len(counts) * b + sum(n > b for n in counts) * (largest - b) for b in set(counts) if b < largest}
+    return min(gathered, key=gathered.get, default=None)
+
+
+FORCE = {"slot blocks": max, "slot blocks in two runs": two_run_block_size, "slot groups": lambda counts: None}
 
 
 def planned(backend, seq_lens: list[int], slot_ids: list, layout: str | None, run) -> tuple:
     """The batch, its layout forced to ``layout`` (``None``: the plan's own choice) while its plans are
     built (by one warm-up ``run``), and the control plan its kernels read (a mixed batch's: its pair rows')."""
     info = build_batch_info(seq_lens, slot_ids, RANKS, SCALINGS, device="cpu")
-    with mock.patch.multiple(control_plan, **FORCE[layout]) if layout else contextlib.nullcontext():
+    force = FORCE[layout] if layout else None
+    with mock.patch.object(control_plan, "slot_block_size", lambda counts, _: force(counts)) if force \
+            else contextlib.nullcontext():
         backend.prepare_batch(info)
         run(info)
     return info, (info if info.pairs is None else info.pairs.view).plan(ControlPlan)
-
-
-def layout_of(plan: ControlPlan) -> str:
-    return "slot blocks" if plan.slot_blocks is not None else "slot groups" if plan.by_slot else "segments"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -88,28 +102,34 @@ def main(argv: list[str] | None = None) -> int:
                 out = backend.run_packed(x, a, b, offsets, base.clone())
             return out
 
-        (blocks, blocks_plan), (groups, groups_plan) = (planned(backend, seq_lens, slot_ids, layout, run)
-                                                        for layout in ("slot blocks", "slot groups"))
+        plans = {layout: planned(backend, seq_lens, slot_ids, layout, run) for layout in LAYOUTS}
         _, chosen = planned(backend, seq_lens, slot_ids, None, run)
-        assert (layout_of(blocks_plan), layout_of(groups_plan)) == ("slot blocks", "slot groups"), name
-        torch.testing.assert_close(run(blocks), run(groups), rtol=1e-4, atol=1e-4)  # the same delta either way
-        timer = Interleaved(["slot blocks", "slot groups"])
+        layouts = [layout for layout, (_, plan) in plans.items() if plan.layout == layout]
+        assert layouts[0] == "slot blocks" and layouts[-1] == "slot groups", (name, layouts)  # (2 runs need 2 sizes)
+        expected = run(plans["slot groups"][0])
+        for layout in layouts:  # the same delta every way
+            torch.testing.assert_close(run(plans[layout][0]), expected, rtol=1e-4, atol=1e-4)
+        timer = Interleaved(layouts)
         for _ in range(rounds):
-            timer.round({"slot blocks": lambda: run(blocks), "slot groups": lambda: run(groups)})
-        ratio = Spread.of([x / y for x, y in zip(timer.samples["slot blocks"], timer.samples["slot groups"])])
+            timer.round({layout: lambda info=plans[layout][0]: run(info) for layout in layouts})
+        groups_plan = plans["slot groups"][1]
         rows = sum(g.num_tokens for g in groups_plan.groups)
-        sb = blocks_plan.slot_blocks
-        results[name] = {"rows": rows, "padding": sb.num_blocks * sb.block_size - rows, "slots": sb.num_blocks,
-                         "choice": layout_of(chosen), "blocks_over_groups": ratio}
+        results[name] = {"rows": rows, "slots": len(groups_plan.groups), "choice": chosen.layout, "layouts": {
+            layout: {"padding": plans[layout][1].slot_blocks.num_cells - rows,
+                     "over_groups": Spread.of([x / y for x, y in zip(timer.samples[layout],
+                                                                     timer.samples["slot groups"])])}
+            for layout in layouts[:-1]}}
     info = machine_info()
     print(f"bench_slot_layouts: {info['cpu']} ({info['cpu_count']} cores), torch {info['torch']}, {threads} threads; "
           f"load average {load:.2f} before the run; {rounds} rounds; one {h} x {h} module, rank 64, 4 slots")
     for name, r in results.items():
-        print(f"{name}: {r['rows']} rows, {r['padding']} padding rows over {r['slots']} slots; slot blocks / slot "
-              f"groups {format_spread(r['blocks_over_groups'], '{:.2f}')}; the plan picks {r['choice']}")
+        figures = "; ".join(f"{layout} ({f['padding']} padding rows) / slot groups "
+                            f"{format_spread(f['over_groups'], '{:.2f}')}" for layout, f in r["layouts"].items())
+        print(f"{name}: {r['rows']} rows over {r['slots']} slots; {figures}; the plan picks {r['choice']}")
     if args.json:
         Path(args.json).write_text(json.dumps({"machine": info, "load": load, "rounds": rounds, "h": h, "results": {
-            name: {**r, "blocks_over_groups": vars(r["blocks_over_groups"])} for name, r in results.items()}},
+            name: {**r, "layouts": {layout: {**f, "over_groups": vars(f["over_groups"])}
+                                    for layout, f in r["layouts"].items()}} for name, r in results.items()}},
             indent=2))
     return 0
 

@@ -176,21 +176,26 @@ def test_backends_agree_with_each_other():
 # zero beyond each rank, so an expand that reads past the rank in some slice (the control
 # loop's slices after the first, say) adds nothing and passes. Here the expand gets an input
 # with garbage beyond every row's rank in *every* slice, and B with or without garbage there.
-EXPAND_LAYOUTS = ("segments", "slot groups", "slot blocks")
-"""The eager control plan's three layouts (lora_cuda.control_plan); graph-mode batches and the
+EXPAND_LAYOUTS = ("segments", "slot groups", "slot blocks", "slot blocks in two runs")
+"""The eager control plan's layouts (lora_cuda.control_plan); graph-mode batches and the
 vectorized backend take the static kernels whatever the layout."""
 
 
 def _layout_batch(rng: random.Random, layout: str, T: int, ranks: list[int]) -> tuple[list[int], list]:
-    """``T`` tokens whose eager control plan is ``layout``, with slot -1 / None / rank-0 rows."""
-    L, active = len(ranks), [s for s, r in enumerate(ranks) if r > 0]
+    """``T`` tokens (for slot groups, as many as the ranks' groups need) whose eager control plan is
+    ``layout``, with slot -1 / None / rank-0 rows."""
+    active = [s for s, r in enumerate(ranks) if r > 0]
     idle = [-1, None] + [s for s, r in enumerate(ranks) if r == 0]
     if layout == "segments":  # a few long requests, no slot twice: one GEMM per request and slice
         slots = active + idle
         rng.shuffle(slots)
         cuts = sorted(rng.sample(range(1, T), len(slots) - 1))
         return [b - a for a, b in zip([0, *cuts], [*cuts, T])], slots
-    if layout == "slot groups":  # single tokens, one hot slot: padding all groups to its size would cost too much
+    if layout == "slot groups":  # single tokens, the slots' groups 56 rows apart: any block layout pads too much
+        slots = [s for i, s in enumerate(active) for _ in range(1 + 56 * i)] + idle
+        rng.shuffle(slots)
+        return [1] * len(slots), slots
+    if layout == "slot blocks in two runs":  # single tokens, one hot slot: the others' blocks, then its rest
         hot = rng.choice(active)
         others = [s for s in active if s != hot] + idle
         slots = [hot] * T
@@ -207,7 +212,7 @@ def _control_layout(info) -> str:
     from lora_cuda.control_plan import ControlPlan
 
     plan = ControlPlan.build(info)
-    return "slot blocks" if plan.slot_blocks is not None else "slot groups" if plan.by_slot else "segments"
+    return plan.layout
 
 
 @pytest.mark.parametrize("backend_name", BACKENDS)
@@ -225,7 +230,7 @@ def test_expand_reads_nothing_beyond_each_slots_rank_in_any_slice(device, backen
     columns stay as they were."""
     if device.is_graph and mode == "eager":
         pytest.skip("graph devices run graph-mode batches")
-    seed = EXPAND_LAYOUTS.index(layout) + 3 * ["auto", "grouped", "blocked"].index(kernel)
+    seed = EXPAND_LAYOUTS.index(layout) + len(EXPAND_LAYOUTS) * ["auto", "grouped", "blocked"].index(kernel)
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     dtype = rng.choice(DTYPES)
@@ -234,7 +239,9 @@ def test_expand_reads_nothing_beyond_each_slots_rank_in_any_slice(device, backen
     rng.shuffle(ranks)
     widths = rng.choice([[16, 8, 8], [24, 24], [8, 16, 24]])
     T = rng.randint(20, 40)
-    pair = BatchPair(ranks, _layout_batch(rng, layout, T, ranks), _layout_batch(rng, layout, T, ranks))
+    batches = [_layout_batch(rng, layout, T, ranks) for _ in "AB"]
+    T = sum(batches[0][0])  # (slot groups: as many tokens as their groups need, in A and in B)
+    pair = BatchPair(ranks, *batches)
     refs = pair.reference_infos()
     if mode == "eager":  # keep the layouts honest: each runs the control loop it is named after
         assert [_control_layout(ref) for ref in refs] == [layout, layout]

@@ -5,9 +5,10 @@ Each row of ``batch_info.pairs.view`` (the tokens, then the pair rows) reads ``x
 adds its delta into its token's row, with no gathered copy of ``x``, no zero-filled delta and no
 scatter of it afterwards. Every path is checked here, against lora_core's reference math and against
 ``BatchInfoBackend``'s own pair ops (which gather ``x`` by token row and scatter the deltas back: what a
-backend without such kernels runs): the control plan's three layouts (segments, slot groups, slot
-blocks), the grouped and blocked graph-safe kernels (the grouped one in one and in several chunks of
-sorted rows), eager and graph-mode batches, a new output and a strided one (a column view, as vLLM passes one slice of a packed output), fp32 and bf16. Captures,
+backend without such kernels runs): the control plan's layouts (segments, slot groups, slot blocks in
+one run and in two), the grouped and blocked graph-safe kernels (the grouped one in one and in several
+chunks of sorted rows), eager and graph-mode batches, a new output and a strided one (a column view, as
+vLLM passes one slice of a packed output), fp32 and bf16. Captures,
 compiles and every device parameter run these kernels in tests/test_request_scales.py (its ``mixes``
 cases).
 """
@@ -28,23 +29,24 @@ RANKS, SCALINGS = [8, 3, 0, 5], [2.0, 0.5, 1.0, 1.5]
 MIXES = {
     # long requests: the view's segments average over 64 rows, so the control plan loops over segments
     "segments": ([70, 80, 75], [{0: 0.5, 1: 1.0}, 1, [(3, 0.7), (0, 0.2), (1, 1.0)]]),
-    # single tokens, most on slot 0: padding every slot to its group would double the rows: slot groups
-    "slot groups": ([1] * 30, [0] * 20 + [{1: 0.5, 0: 0.5}, {3: 1.0, 1: 0.25}] * 4 + [None, 2]),
+    # single tokens, slots holding 113, 57 and 1 rows: every block layout pads more rows than a GEMM costs
+    "slot groups": ([1] * 117, [{0: 0.5, 1: 0.5}, 0] * 56 + [1, 0, 3, None, 2]),
+    # single tokens, most on slot 0: a block of 8 rows per slot, then slot 0's other 56 rows
+    "slot blocks in two runs": ([1] * 70, [0] * 60 + [{1: 0.5, 0: 0.5}, {3: 1.0, 1: 0.25}] * 4 + [None, 2]),
     # single tokens spread evenly over the slots: one block per slot (one bmm)
     "slot blocks": ([1] * 24, [{s: 0.6, (s + 1) % 4: 0.4} if t % 3 == 0 else s for t, s in
                                ((t, t % 4) for t in range(24))]),
     # 1120 rows: over the grouped kernel's 512 sorted rows per chunk on CPU (and segments, eagerly)
     "chunks": ([300, 260], [{0: 0.5, 1: 1.0}, {3: 0.7, 1: 0.3}]),
 }
-CONTROL_LAYOUTS = {"segments": "segments", "slot groups": "slot groups", "slot blocks": "slot blocks",
-                   "chunks": "segments"}
+CONTROL_LAYOUTS = {**{layout: layout for layout in MIXES}, "chunks": "segments"}
 
 
 def _control_layout(info) -> str:
     from lora_cuda.control_plan import ControlPlan
 
     plan = info.pairs.view.plan(ControlPlan)
-    return "slot blocks" if plan.slot_blocks is not None else "slot groups" if plan.by_slot else "segments"
+    return plan.layout
 
 
 @pytest.mark.parametrize("backend_name", BACKENDS)
@@ -125,17 +127,18 @@ def test_pair_rows_need_a_batch_with_mixes_and_the_expand_its_tokens_output(back
         backend.pair_expand(shrunk[:5], b, mixed, offsets, torch.zeros(5, 6))
 
 
-def test_the_slot_layouts_benchmark_checks_both_layouts_then_times_them(capsys):
+def test_the_slot_layouts_benchmark_checks_every_layout_then_times_them(capsys):
     """examples/bench_slot_layouts.py in smoke sizes (what docs/benchmarks.md's "slot blocks or slot groups"
-    figures come from): both layouts give the same delta, and it reports each case's ratio and the plan's
-    choice (the figures are timings: only their form is checked)."""
+    figures come from): every layout gives the same delta, and it reports each block layout's ratio to
+    slot groups and the plan's choice (the figures are timings: only their form is checked)."""
     path = Path(__file__).resolve().parents[1] / "examples" / "bench_slot_layouts.py"
     spec = importlib.util.spec_from_file_location("example_bench_slot_layouts", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     assert bench.main(["--smoke"]) == 0
     out = capsys.readouterr().out
-    assert re.search(r"^decode 32, even: 32 rows, 0 padding rows over 4 slots; slot blocks / slot groups \d+\.\d\d "
-                     r"\(.*\); the plan picks slot blocks$", out, re.M), out
-    assert re.search(r"^prefill 8 x 32, a quarter mixed: 288 rows, 224 padding rows over 4 slots; .*; the plan picks "
-                     r"slot groups$", out, re.M), out
+    assert re.search(r"^decode 32, even: 32 rows over 4 slots; slot blocks \(0 padding rows\) / slot groups "
+                     r"\d+\.\d\d \(.*\); the plan picks slot blocks$", out, re.M), out
+    assert re.search(r"^prefill 8 x 32, a quarter mixed: 288 rows over 4 slots; slot blocks \(224 padding rows\) / "
+                     r"slot groups .*; slot blocks in two runs \(32 padding rows\) / slot groups .*; the plan picks "
+                     r"slot blocks in two runs$", out, re.M), out

@@ -350,14 +350,15 @@ def check_embedding_ops(device, backend_name, mode, case, vocab, added, dim, id_
 # ----------------------------------------------------------------------------- the expand alone
 # Bug class 9 (docs/bug-classes.md): garbage beyond every row's rank in *every* slice of the
 # expand's input, on batches drawn to take each control layout: the scenario's requests
-# (mostly segments), single tokens mostly on one hot slot (slot groups), single tokens
-# spread over the slots (slot blocks).
+# (mostly segments), single tokens mostly on one hot slot (slot blocks in two runs), single
+# tokens spread over the slots (slot blocks); tests/test_backend_conformance.py adds slot groups.
 @st.composite
 def decode_requests(draw, ranks: list[int], num_tokens: int, hot: bool):
     """``num_tokens`` single-token requests. ``hot``: every slot (rank 0 included), slot -1
     and ``None`` once each at inner positions, the rest on one slot with a rank, so that
     padding every slot's group to the hot one would more than double the rows when at least
-    three slots have a rank; else slots drawn freely."""
+    three slots have a rank (a block of one row per slot, then the hot slot's rest); else slots
+    drawn freely."""
     L = len(ranks)
     if not hot:
         slot = st.one_of(st.none(), st.integers(-1, L - 1))
@@ -401,7 +402,7 @@ def _control_layout(info) -> str:
     from lora_cuda.control_plan import ControlPlan
 
     plan = ControlPlan.build(info)
-    return "slot blocks" if plan.slot_blocks is not None else "slot groups" if plan.by_slot else "segments"
+    return plan.layout
 
 
 def check_expand_beyond_rank(device, backend_name, mode, case, num_slices, widths, layout, garbage_in_b, data):

@@ -19,7 +19,7 @@ from lora_core.testing import (
     random_linear_weights,
     random_ranks,
 )
-from lora_cuda import SortedPlan, sgemm_lora_a_embedding_fwd, sgemm_lora_a_fwd, sgemm_lora_b_fwd
+from lora_cuda import ControlPlan, SortedPlan, sgemm_lora_a_embedding_fwd, sgemm_lora_a_fwd, sgemm_lora_b_fwd
 from lora_cuda.graph_plans import CHUNK_ROWS
 from lora_cuda.slot_order import slot_order
 
@@ -93,6 +93,27 @@ def test_decode_batch_of_single_token_requests(device):
     x = torch.randn(48, 64, generator=gen).to(device.torch_device)
     base = torch.randn(48, 64, generator=gen).to(device.torch_device)
     _check_linear(device, pair, a, b, offsets, x, base, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("num_slices", [1, 3])
+def test_a_hot_slots_rows_beyond_the_other_slots_blocks(device, num_slices, dtype):
+    """Single tokens, most on one slot (another in A and in B): eagerly, slot blocks in two runs, the
+    second over the hot slot's rest (in A over two hot slots that are no range of slots: gathered
+    weights), with rank-0 slots, slot -1 and requests without an adapter."""
+    ranks = [8, 0, 3, 16, 5]
+    slots_a = [0, 3] * 40 + [2, 4, 1, -1, None, 2]
+    slots_b = [4, None] * 40 + [4, 0, 2, 3, -1, 1]
+    pair = BatchPair(ranks, ([1] * 86, slots_a), ([1] * 86, slots_b))
+    if not device.is_graph:
+        assert [ControlPlan.build(ref).layout for ref in pair.reference_infos()] == ["slot blocks in two runs"] * 2
+    gen = torch.Generator().manual_seed(num_slices)
+    a, b, offsets = random_linear_weights(gen, num_slots=5, max_rank=16, in_features=24,
+                                          slice_widths=[16, 8, 24][:num_slices], lora_ranks=ranks, dtype=dtype,
+                                          device=device.torch_device)
+    x = torch.randn(86, 24, generator=gen).to(device.torch_device, dtype)
+    base = torch.randn(86, offsets[-1], generator=gen).to(device.torch_device, dtype)
+    _check_linear(device, pair, a, b, offsets, x, base, dtype)
 
 
 def _requests_of(rng, rows_per_slot):

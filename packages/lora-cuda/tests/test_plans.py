@@ -9,6 +9,8 @@ import torch
 from lora_core import build_batch_info
 from lora_core.testing import make_batch_info, random_requests
 from lora_cuda import BlockPlan, ControlPlan, SortedPlan, TorchNativeBackend
+from lora_cuda.block_kernels import BlockRun
+from lora_cuda.control_plan import slot_block_size
 from lora_cuda.graph_plans import CHUNK_ROWS
 from lora_cuda.slot_order import place_in_blocks
 
@@ -28,33 +30,85 @@ def test_short_segments_on_few_slots_become_one_block_per_slot():
     assert [(g.slot, g.start, g.end) for g in plan.groups] == [(0, 0, 1), (1, 1, 3)]
     # padded to the largest group (2 rows): 4 block rows for 3 tokens, so one bmm for both slots
     blocks = plan.slot_blocks
-    assert (blocks.num_blocks, blocks.block_size, blocks.slot_range) == (2, 2, (0, 2))
-    assert blocks.block_valid.tolist() == [[True, False], [True, True]]
-    assert blocks.block_tokens.view(2, 2)[blocks.block_valid].tolist() == [1, 0, 2]
+    assert (blocks.runs, blocks.run_ranges) == ((BlockRun(0, 2, 2),), ((0, 2),))
+    assert blocks.cell_valid.tolist() == [True, False, True, True]
+    assert blocks.block_tokens[blocks.cell_valid].tolist() == [1, 0, 2]
+    assert blocks.cell_ranks.tolist() == [4, 4, 4, 4] and blocks.cell_scalings.tolist() == [1.0] * 4
     # each token's row in the blocks; tokens without an adapter read a padding row (zero once masked)
     assert blocks.token_rows.tolist() == [2, 0, 3, 1, 1]
 
 
-def test_slot_groups_gather_each_active_slot_once_when_padding_would_double_the_rows():
-    # 20 single-token requests on slot 0 between base-model ones, one each on slots 1 and 2:
-    # 3 blocks of 20 rows would be 60 rows for 22 tokens, so one GEMM per slot instead
+def test_a_slots_rows_beyond_the_other_slots_groups_take_a_second_run_of_blocks():
+    # 20 single-token requests on slot 0 between base-model ones, one each on slots 1 and 2: 3 blocks
+    # of 20 rows would be 60 rows for 22 tokens; one block of 1 row per slot and slot 0's other 19 rows
+    # in a second run (one more cell: the base-model rows' padding cell) is two bmms with no padding
     seq_lens, slot_ids = [1] * 42, [0, None] * 20 + [1, 2]
-    info = build_batch_info(seq_lens, slot_ids, [4, 4, 4], [1.0, 1.0, 1.0], device="cpu")
+    info = build_batch_info(seq_lens, slot_ids, [4, 2, 3], [1.0, 2.0, 3.0], device="cpu")
     plan = info.plan(ControlPlan)
-    assert plan.by_slot and plan.slot_blocks is None
     assert [(g.slot, g.start, g.end) for g in plan.groups] == [(0, 0, 20), (1, 20, 21), (2, 21, 22)]
-    assert plan.token_perm.tolist() == list(range(0, 40, 2)) + [40, 41]
+    blocks = plan.slot_blocks
+    assert (blocks.runs, blocks.run_ranges) == ((BlockRun(0, 3, 1), BlockRun(3, 1, 20)), ((0, 3), (0, 1)))
+    assert blocks.block_tokens.tolist() == [0, 40, 41, *range(2, 40, 2), 0]
+    assert blocks.cell_valid.tolist() == [True] * 22 + [False]
+    assert blocks.cell_ranks.tolist() == [4, 2, 3] + [4] * 20
+    assert blocks.cell_scalings.tolist() == [1.0, 2.0, 3.0] + [1.0] * 20
+    assert blocks.token_rows.tolist() == [0, 22] + [x for j in range(19) for x in (3 + j, 22)] + [1, 2]
+    a = torch.randn(3, 4, 8)
+    assert blocks.run_weights(a, 0) is a
+    assert blocks.run_weights(a, 1).data_ptr() == a.data_ptr() and blocks.run_weights(a, 1).shape == (1, 4, 8)
 
 
-def test_slot_groups_replace_slot_blocks_where_the_padding_costs_more_than_the_gemms_it_saves():
-    # 8 requests of 16 tokens, slot 0 on three: blocks of 48 rows for 4 slots would be 192 rows for 128
-    # tokens, under twice the tokens, but 64 padding rows for the 3 GEMMs one bmm saves (16 rows each)
-    prefill = build_batch_info([16] * 8, [0, 1, 0, 2, 0, 1, 2, 3], [4] * 4, [1.0] * 4, device="cpu").plan(ControlPlan)
-    assert prefill.by_slot and prefill.slot_blocks is None
-    assert [(g.slot, g.num_tokens) for g in prefill.groups] == [(0, 48), (1, 32), (2, 32), (3, 16)]
+def test_a_second_run_of_slots_that_are_no_range_gathers_their_weights():
+    # slots 0 and 2 hold 40 rows, slots 1 and 3 one: the rest of slots 0 and 2 is a second run over (0, 2)
+    slot_ids = [0, 2] * 40 + [1, 3]
+    info = build_batch_info([1] * 82, slot_ids, [2, 2, 2, 2], [1.0] * 4, device="cpu")
+    blocks = info.plan(ControlPlan).slot_blocks
+    assert (blocks.runs, blocks.run_ranges) == ((BlockRun(0, 4, 1), BlockRun(4, 2, 39)), ((0, 4), None))
+    assert blocks.run_slots[1].tolist() == [0, 2]
+    a = torch.randn(4, 2, 8)
+    torch.testing.assert_close(blocks.run_weights(a, 1), a[[0, 2]], rtol=0, atol=0)
+
+
+def test_slot_groups_run_where_every_block_layout_pads_more_rows_than_its_bmms_save():
+    # groups of 1, 49, 97, 145 and 193 rows: one run pads 480 rows and the best two runs 224, more than
+    # the GEMMs they save cost on the CPU (48 rows each): one GEMM per slot
+    counts = [1 + 48 * s for s in range(5)]
+    slot_ids = [s for t in range(max(counts)) for s in range(5) if t < counts[s]]  # single tokens, interleaved
+    info = build_batch_info([1] * len(slot_ids), slot_ids, [4] * 5, [1.0] * 5, device="cpu")
+    plan = info.plan(ControlPlan)
+    assert plan.by_slot and plan.slot_blocks is None and plan.layout == "slot groups"
+    assert [g.num_tokens for g in plan.groups] == counts
+    assert plan.token_perm.tolist() == sorted(range(len(slot_ids)), key=lambda t: slot_ids[t])
+
+
+@pytest.mark.parametrize(("counts", "on_the_cpu", "where_launches_cost"), [
+    ([8, 8, 8, 8], 8, 8),  # even: one run, no padding
+    ([6, 8, 14, 7], 14, 14),  # a mixed decode: one run pads 21 rows, two runs 1 for one more GEMM
+    ([32, 64, 64, 64], 64, 64),  # a prefill: one run pads 32 rows, two runs none for one more GEMM
+    ([32, 64, 128, 64], 64, 128),  # a quarter of it mixed: one run pads 224 rows, two runs 32
+    ([64, 16, 16, 16], 16, 16),  # one run pads 144 rows, two runs none
+    ([20, 1, 1], 1, 1),  # one run would triple the rows: two runs everywhere
+    ([1, 49, 97, 145, 193], None, 193),  # two runs pad 224 rows, more than the 3 GEMMs they save
+    ([1, 2, 4, 8, 16, 32, 64], 16, 16),  # over twice the rows in one run (448 for 127)
+    ([5], 5, 5),  # one slot: one run, whatever the platform
+])
+def test_slot_block_size_takes_the_fewest_gemms_where_launches_cost_else_the_fewest_rows_and_gemms(
+        counts, on_the_cpu, where_launches_cost):
+    assert slot_block_size(counts, launches_cost=False) == on_the_cpu
+    assert slot_block_size(counts, launches_cost=True) == where_launches_cost
+
+
+def test_slot_blocks_on_the_cpu_take_a_second_run_where_one_would_pad_more_rows_than_a_gemm_costs():
+    # 8 requests of 16 tokens, slot 0 on four: blocks of 64 rows for 4 slots would be 256 rows for 112
+    # tokens; a run of 16-row blocks and one of slot 0's other 48 rows (and the base-model rows'
+    # padding cell) pads none
+    prefill = build_batch_info([16] * 8, [0, 1, 0, 2, 0, 3, 0, None], [4] * 4, [1.0] * 4, device="cpu")
+    plan = prefill.plan(ControlPlan)
+    assert [(g.slot, g.num_tokens) for g in plan.groups] == [(0, 64), (1, 16), (2, 16), (3, 16)]
+    assert plan.slot_blocks.runs == (BlockRun(0, 4, 16), BlockRun(64, 1, 49))
     # the same spread over single tokens pads 8 rows: one bmm
     decode = build_batch_info([1] * 16, [0, 1, 0, 2, 0, 1, 2, 3] * 2, [4] * 4, [1.0] * 4, device="cpu")
-    assert decode.plan(ControlPlan).slot_blocks is not None
+    assert decode.plan(ControlPlan).slot_blocks.runs == (BlockRun(0, 4, 6),)
 
 
 def test_long_segments_prefer_the_segment_loop():
@@ -265,35 +319,49 @@ def test_block_kernel_operands_kept_per_call_shape_follow_rows_layers_and_refill
 
 
 def test_slot_blocks_equal_their_definition_on_random_short_request_batches():
-    """Blocks in slot order, each slot's tokens in row order from the block's start; tokens
-    without an adapter point at the first padding cell (one is added when the blocks are full)."""
+    """The first run: a block per slot in slot order, holding the slot's first ``b`` tokens in row
+    order (``b`` the block size :func:`slot_block_size` picks for the groups); the second run, for the
+    slots with more: a block each of their other tokens, as large as the largest rest. Tokens without
+    an adapter point at the first padding cell (one row is added to the last run's blocks when they
+    are full)."""
     rng = random.Random(5)
-    checked = 0
-    for _ in range(200):
+    runs_seen = set()
+    for _ in range(300):
         num_slots = rng.randint(1, 5)
         ranks = [rng.choice([0, 2, 4]) for _ in range(num_slots)]
-        slot_ids = [rng.choice([None, *range(num_slots)]) for _ in range(rng.randint(1, 24))]
+        scalings = [rng.choice([0.5, 1.0, 2.0]) for _ in range(num_slots)]
+        hot = rng.choice([None, *range(num_slots)])  # often a slot with far more requests than the others
+        slot_ids = [hot if rng.random() < 0.5 else rng.choice([None, *range(num_slots)])
+                    for _ in range(rng.randint(1, 40))]
         seq_lens = [rng.choice([1, 1, 1, 2, 3]) for _ in slot_ids]  # mostly decode, some short requests
-        info = build_batch_info(seq_lens, slot_ids, ranks, [1.0] * num_slots, device="cpu")
+        info = build_batch_info(seq_lens, slot_ids, ranks, scalings, device="cpu")
         blocks = info.plan(ControlPlan).slot_blocks
         if blocks is None:
             continue
-        checked += 1
         token_slots = [slot for slot, n in zip(slot_ids, seq_lens) for _ in range(n)]
         tokens = {s: [t for t, slot in enumerate(token_slots) if slot == s] for s in range(num_slots) if ranks[s]}
-        tokens = {s: ts for s, ts in tokens.items() if ts}
-        b, active = max(map(len, tokens.values())), sum(map(len, tokens.values()))
-        if len(tokens) * b == active < len(token_slots):
-            b += 1
-        assert (blocks.num_blocks, blocks.block_size) == (len(tokens), b)
-        assert blocks.block_slots.tolist() == sorted(tokens)
-        cells = [ts[j] if j < len(ts) else None for ts in (tokens[s] for s in sorted(tokens)) for j in range(b)]
-        assert blocks.block_valid.reshape(-1).tolist() == [c is not None for c in cells]
+        tokens = {s: ts for s, ts in sorted(tokens.items()) if ts}
+        b = slot_block_size([len(ts) for ts in tokens.values()], launches_cost=False)
+        rests = {s: ts[b:] for s, ts in tokens.items() if len(ts) > b}
+        runs = [(tokens, b, [ts[:b] for ts in tokens.values()])]
+        if rests:
+            runs.append((rests, max(map(len, rests.values())), list(rests.values())))
+        active = sum(map(len, tokens.values()))
+        if sum(len(slots) * size for slots, size, _ in runs) == active < len(token_slots):
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1, runs[-1][2])
+        runs_seen.add(len(runs))
+        assert [(r.num_blocks, r.block_size) for r in blocks.runs] == [(len(slots), size) for slots, size, _ in runs]
+        assert [n.tolist() for n in blocks.run_slots] == [list(slots) for slots, _, _ in runs]
+        cells = [ts[j] if j < len(ts) else None for _, size, rows in runs for ts in rows for j in range(size)]
+        cell_slots = [s for slots, size, _ in runs for s in slots for _ in range(size)]
+        assert blocks.cell_valid.tolist() == [c is not None for c in cells]
         assert blocks.block_tokens.tolist() == [0 if c is None else c for c in cells]
+        assert blocks.cell_ranks.tolist() == [ranks[s] for s in cell_slots]
+        assert blocks.cell_scalings.tolist() == [scalings[s] for s in cell_slots]
         padding = next((i for i, c in enumerate(cells) if c is None), 0)
         assert blocks.token_rows.tolist() == [cells.index(t) if t in cells else padding
                                               for t in range(len(token_slots))]
-    assert checked > 20
+    assert runs_seen == {1, 2}
 
 
 def test_place_in_blocks_refuses_blocks_without_a_padding_cell_for_the_other_rows():

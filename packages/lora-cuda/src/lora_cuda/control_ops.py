@@ -8,9 +8,10 @@ the loop reads Python ints only and never synchronises the device:
   ``addmm`` per slot and slice, scattered back once: the GEMM count is the
   number of slots;
 * slot blocks: the slot groups padded to one block per slot, one ``bmm`` for all
-  slots (:mod:`lora_cuda.block_kernels`). Decode batches of many single-token
-  requests spread over the slots use this; the embedding shrink takes the
-  per-token gather of the graph-safe op there, which needs no grouping at all.
+  slots, and the rows of larger groups beyond the block size in a second one
+  (:mod:`lora_cuda.block_kernels`). Decode batches of many single-token requests
+  spread over the slots use this; the embedding shrink takes the per-token
+  gather of the graph-safe op there, which needs no grouping at all.
 
 Rank truncation: only rows/columns ``[0, r)`` of each slot are read, so
 whatever lies beyond a rank never reaches the result. Inputs are validated by

@@ -35,6 +35,7 @@ from lora_core import BatchInfo, BatchPlan
 from lora_core.platforms import platform_for
 from lora_core.staging import StagedTensors
 
+from .block_kernels import BlockRun
 from .kernel_tables import KernelTables
 from .slot_order import place_in_blocks, slot_order
 
@@ -201,7 +202,8 @@ class SortedPlan(KernelTables, BatchPlan):
 
 
 class BlockPlan(KernelTables, BatchPlan):
-    """Token blocks for the blocked kernel: ``NB = ceil(rows / b) + L`` blocks of ``b`` rows.
+    """Token blocks for the blocked kernel: ``NB = ceil(rows / b) + L`` blocks of ``b`` rows, one run
+    (:class:`~lora_cuda.block_kernels.BlockRun`).
 
     Device tensors: ``block_slots (NB,)`` int64, ``block_ranks (NB,)`` int32,
     ``block_scalings (NB,)`` float32, ``block_tokens (NB*b,)`` int64,
@@ -218,6 +220,7 @@ class BlockPlan(KernelTables, BatchPlan):
         rows, L = batch_info.num_tokens, batch_info.num_slots
         self.block_size = b = block_size_for(rows, L)
         self.num_blocks = nb = -(-rows // b) + L
+        self.runs = (BlockRun(0, nb, b),)
         self._staged = StagedTensors(
             {"block_slots": ((nb,), torch.int64), "block_ranks": ((nb,), torch.int32),
              "block_scalings": ((nb,), torch.float32), "block_tokens": ((nb * b,), torch.int64),
@@ -237,8 +240,8 @@ class BlockPlan(KernelTables, BatchPlan):
         return (self.block_ranks[:, None].expand(nb, self.block_size),
                 self.block_scalings[:, None].expand(nb, self.block_size), self.block_valid)
 
-    def block_weights(self, weights: torch.Tensor) -> torch.Tensor:
-        """``weights (L, ...)`` of each block's slot, ``(NB, ...)``, gathered into a workspace."""
+    def run_weights(self, weights: torch.Tensor, run: int) -> torch.Tensor:
+        """``weights (L, ...)`` of each block's slot, ``(NB, ...)``, gathered into a workspace (one run)."""
         out = self.workspace("weights", (self.num_blocks, *weights.shape[1:]), weights.dtype, weights.device)
         return torch.index_select(weights, 0, self.block_slots, out=out)
 
