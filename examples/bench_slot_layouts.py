@@ -58,10 +58,11 @@ LAYOUTS = ("slot blocks", "slot blocks in two runs", "slot groups")
 
 
 def two_run_block_size(counts: list[int]) -> int | None:
-    """The block size below the largest group that gathers the fewest rows (``None``: one group size)."""
+    """The block size below the largest group that gathers the fewest rows, the largest of equals as the
+    plan takes it (``None``: one group size)."""
     largest = max(counts)
     gathered = {b: len(counts) * b + sum(n > b for n in counts) * (largest - b) for b in set(counts) if b < largest}
-    return min(gathered, key=gathered.get, default=None)
+    return min(sorted(gathered, reverse=True), key=gathered.get, default=None)
 
 
 FORCE = {"slot blocks": max, "slot blocks in two runs": two_run_block_size, "slot groups": lambda counts: None}

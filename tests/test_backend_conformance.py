@@ -182,8 +182,7 @@ vectorized backend take the static kernels whatever the layout."""
 
 
 def _layout_batch(rng: random.Random, layout: str, T: int, ranks: list[int]) -> tuple[list[int], list]:
-    """``T`` tokens (for slot groups, as many as the ranks' groups need) whose eager control plan is
-    ``layout``, with slot -1 / None / rank-0 rows."""
+    """``T`` tokens (slot groups: as many as they need) of eager control plan ``layout``; slot -1, None, rank 0 too."""
     active = [s for s, r in enumerate(ranks) if r > 0]
     idle = [-1, None] + [s for s, r in enumerate(ranks) if r == 0]
     if layout == "segments":  # a few long requests, no slot twice: one GEMM per request and slice
@@ -208,20 +207,13 @@ def _layout_batch(rng: random.Random, layout: str, T: int, ranks: list[int]) -> 
     return [1] * T, slots
 
 
-def _control_layout(info) -> str:
-    from lora_cuda.control_plan import ControlPlan
-
-    plan = ControlPlan.build(info)
-    return plan.layout
-
-
 @pytest.mark.parametrize("backend_name", BACKENDS)
 @pytest.mark.parametrize("kernel", ["auto", "grouped", "blocked"])
 @pytest.mark.parametrize("layout", EXPAND_LAYOUTS)
 @pytest.mark.parametrize("mode", ["eager", "graph"])
 @pytest.mark.parametrize("into", ["new", "column view"])
 def test_expand_reads_nothing_beyond_each_slots_rank_in_any_slice(device, backend_name, kernel, layout, mode, into):
-    """Every expand path (control loop in its three layouts, grouped and blocked static
+    """Every expand path (control loop in its four layouts, grouped and blocked static
     kernels, the vectorized backend; eager, graph-mode, captured or compiled and replayed
     after a refill) equals the reference, which reads ``y[:, i*R : i*R + r]`` and ``B[:, :r]``
     of each slice ``i`` only, on an input with garbage beyond every row's rank in every slice;
@@ -244,7 +236,9 @@ def test_expand_reads_nothing_beyond_each_slots_rank_in_any_slice(device, backen
     pair = BatchPair(ranks, *batches)
     refs = pair.reference_infos()
     if mode == "eager":  # keep the layouts honest: each runs the control loop it is named after
-        assert [_control_layout(ref) for ref in refs] == [layout, layout]
+        from lora_cuda.control_plan import ControlPlan
+
+        assert [ControlPlan.build(ref).layout for ref in refs] == [layout, layout]
     garbage_in_b = seed % 2 == 0  # without it, only the input's garbage shows a read past the rank
     _, b, offsets = random_linear_weights(gen, num_slots=len(ranks), max_rank=R, in_features=8, slice_widths=widths,
                                           lora_ranks=ranks, dtype=dtype, device=device.torch_device,

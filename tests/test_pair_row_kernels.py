@@ -128,8 +128,8 @@ def test_pair_rows_need_a_batch_with_mixes_and_the_expand_its_tokens_output(back
 
 
 def test_the_slot_layouts_benchmark_checks_every_layout_then_times_them(capsys):
-    """examples/bench_slot_layouts.py in smoke sizes (what docs/benchmarks.md's "slot blocks or slot groups"
-    figures come from): every layout gives the same delta, and it reports each block layout's ratio to
+    """examples/bench_slot_layouts.py in smoke sizes (what docs/benchmarks.md's "slot layouts" figures
+    come from): every layout gives the same delta, and it reports each block layout's ratio to
     slot groups and the plan's choice (the figures are timings: only their form is checked)."""
     path = Path(__file__).resolve().parents[1] / "examples" / "bench_slot_layouts.py"
     spec = importlib.util.spec_from_file_location("example_bench_slot_layouts", path)

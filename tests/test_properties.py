@@ -398,13 +398,6 @@ def test_expand_reads_nothing_beyond_each_slots_rank_compiled(device, backend_na
     check_expand_beyond_rank(device, backend_name, mode, case, num_slices, widths, layout, garbage_in_b, data)
 
 
-def _control_layout(info) -> str:
-    from lora_cuda.control_plan import ControlPlan
-
-    plan = ControlPlan.build(info)
-    return plan.layout
-
-
 def check_expand_beyond_rank(device, backend_name, mode, case, num_slices, widths, layout, garbage_in_b, data):
     """The expand alone, for A and B, on an input with garbage beyond each row's rank in every
     slice (the largest rank the row has in A or B: no batch may read it), and B with or
@@ -427,7 +420,9 @@ def check_expand_beyond_rank(device, backend_name, mode, case, num_slices, width
         offsets.append(offsets[-1] + w)
     refs, mag_refs = runner.references(), runner.references(absolute=True)
     if not runner.use_graph and backend_name == "torch_native":
-        event(f"{layout}: control layout {_control_layout(refs[0])}")
+        from lora_cuda.control_plan import ControlPlan
+
+        event(f"{layout}: control layout {ControlPlan.build(refs[0]).layout}")
     gen = torch.Generator().manual_seed(case["seed"])
     b = torch.randn(L, offsets[-1], R, generator=gen) / R**0.5
     if garbage_in_b:  # else only the input's garbage shows a read beyond a rank

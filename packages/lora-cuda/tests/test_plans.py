@@ -70,7 +70,7 @@ def test_a_second_run_of_slots_that_are_no_range_gathers_their_weights():
 
 
 def test_slot_groups_run_where_every_block_layout_pads_more_rows_than_its_bmms_save():
-    # groups of 1, 49, 97, 145 and 193 rows: one run pads 480 rows and the best two runs 224, more than
+    # groups of 1, 49, 97, 145 and 193 rows: one run pads 480 rows and the best two runs 192, more than
     # the GEMMs they save cost on the CPU (48 rows each): one GEMM per slot
     counts = [1 + 48 * s for s in range(5)]
     slot_ids = [s for t in range(max(counts)) for s in range(5) if t < counts[s]]  # single tokens, interleaved
@@ -83,12 +83,12 @@ def test_slot_groups_run_where_every_block_layout_pads_more_rows_than_its_bmms_s
 
 @pytest.mark.parametrize(("counts", "on_the_cpu", "where_launches_cost"), [
     ([8, 8, 8, 8], 8, 8),  # even: one run, no padding
-    ([6, 8, 14, 7], 14, 14),  # a mixed decode: one run pads 21 rows, two runs 1 for one more GEMM
+    ([6, 8, 14, 7], 14, 14),  # a mixed decode: one run pads 21 rows, two runs 3 for one more GEMM
     ([32, 64, 64, 64], 64, 64),  # a prefill: one run pads 32 rows, two runs none for one more GEMM
     ([32, 64, 128, 64], 64, 128),  # a quarter of it mixed: one run pads 224 rows, two runs 32
     ([64, 16, 16, 16], 16, 16),  # one run pads 144 rows, two runs none
     ([20, 1, 1], 1, 1),  # one run would triple the rows: two runs everywhere
-    ([1, 49, 97, 145, 193], None, 193),  # two runs pad 224 rows, more than the 3 GEMMs they save
+    ([1, 49, 97, 145, 193], None, 193),  # two runs pad 192 rows, more than the 3 GEMMs they save
     ([1, 2, 4, 8, 16, 32, 64], 16, 16),  # over twice the rows in one run (448 for 127)
     ([5], 5, 5),  # one slot: one run, whatever the platform
 ])

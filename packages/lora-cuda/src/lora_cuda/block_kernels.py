@@ -11,7 +11,7 @@ use these kernels:
   use and, where a few slots hold far more rows than the others, a second run for the
   rows beyond the first run's block size; shapes fixed by the batch.
 
-A layout provides ``runs`` (its :class:`BlockRun`\ s, in cell order), ``block_tokens (P,)``
+A layout provides ``runs`` (its :class:`BlockRun` runs, in cell order), ``block_tokens (P,)``
 int64 on the inputs' device (each of its ``P`` cells' row), ``token_rows (T,)`` int64 (each
 row's cell; for a row in no block, a padding cell's, which the mask zeroes),
 ``column_tables(R, c)`` (``P x c*R`` scales and outside-rank mask, any shape of ``P``

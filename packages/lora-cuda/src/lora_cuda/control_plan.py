@@ -13,8 +13,8 @@ loop never reads a device tensor. Three layouts, chosen once per batch:
   rows of larger groups beyond it in a second ``bmm`` (a hot slot at decode, the
   pair rows of a weighted mix: two runs of blocks). One batched GEMM costs far less
   than a GEMM per slot at decode sizes, but multiplies its padding rows too:
-  :func:`slot_block_size` weighs the two (docs/benchmarks.md, "slot blocks or slot
-  groups").
+  :func:`slot_block_size` weighs the two (docs/benchmarks.md, "slot blocks in two
+  runs").
 
 Only the chosen layout is built, with a few NumPy ops on the batch's host
 mirrors; the Python loop runs over segments or slots, never over tokens.
@@ -156,7 +156,9 @@ def slot_block_size(counts: list[int], launches_cost: bool) -> int | None:
     (``launches_cost``) the fewest GEMMs win (one run, then the two runs of the fewest rows);
     elsewhere (the CPU) the fewest rows plus :data:`SLOT_BLOCKS_ROWS_PER_GEMM` per GEMM, the slot
     groups' ``S`` GEMMs included, ties to fewer GEMMs. The best ``b`` is one of the counts: the
-    rows are linear in ``b`` between them."""
+    rows are linear in ``b`` between them. Not counted: the padding cell :class:`SlotBlocks` adds
+    when every cell holds a row, and the slices (slot groups run ``S`` GEMMs per slice, a run one
+    ``bmm`` per slice in the expand, one in the shrink)."""
     ordered = sorted(counts)
     S, rows, largest = len(ordered), sum(ordered), ordered[-1]
     limit = SLOT_BLOCKS_MAX_PADDING * rows

@@ -85,17 +85,17 @@ def slot_order(batch_info: BatchInfo) -> SlotOrder:
 
 
 def place_in_blocks(valid: np.ndarray, rows: np.ndarray, block_tokens: np.ndarray, token_rows: np.ndarray) -> None:
-    """Fill a block layout's row tables (:mod:`lora_cuda.block_kernels`) from rows in slot order.
+    """Fill a block layout's row tables (:mod:`lora_cuda.block_kernels`) from rows in cell order.
 
     Args:
-        valid: ``(NB, b)`` bool, the block cells that hold a row; in row-major order
-            its true cells are ``rows`` in order (blocks in slot order, a slot's rows
-            filling its blocks from the start).
-        rows: ``(P,)`` int64, the rows the blocks hold (``P = valid.sum()``): the active
-            rows of a :class:`SlotOrder`, ``order[:num_active]``.
-        block_tokens: ``(NB*b,)`` int64, written: each cell's row, 0 for a padding cell.
+        valid: ``(NB, b)`` or ``(C,)`` bool, whether each of the ``C`` cells holds a row; in
+            row-major order its true cells are ``rows`` in order (for one run of blocks in
+            slot order, a slot's rows filling its blocks from the start, the active rows of
+            a :class:`SlotOrder`, ``order[:num_active]``).
+        rows: ``(N,)`` int64, the rows the cells hold (``N = valid.sum()``), in cell order.
+        block_tokens: ``(C,)`` int64, written: each cell's row, 0 for a padding cell.
         token_rows: ``(T,)`` int64, written: each row's cell; a row not in ``rows`` gets
-            the first padding cell, which must exist when ``P < T``.
+            the first padding cell, which must exist when ``N < T``.
 
     Two scatters, no sort: each row's cell is its rank among the true cells.
     """
