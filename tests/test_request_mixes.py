@@ -18,6 +18,7 @@ import torch
 from lora_core import available_backends, build_batch_info, get_backend
 from lora_core.reference import reference_lm_head
 from lora_core.testing import assert_close_to_reference, random_embedding_weights, random_linear_weights
+from lora_core.testing.expert_cases import random_expert_weights
 
 BACKENDS = available_backends()
 
@@ -135,6 +136,12 @@ def test_a_mixed_batch_checks_its_rows_before_gathering_them_and_names_bad_ids_i
         backend.run_lora_b(shrunk[:5], b, offsets)
     with pytest.raises(ValueError, match=r"^base_output has 4 rows but the batch info was built for 5 tokens"):
         backend.run_lora_b(shrunk, b, offsets, torch.zeros(4, 6))
+    xa, xb = random_expert_weights(gen, num_slots=2, num_experts=3, max_rank=4, in_features=8, out_features=6,
+                                   lora_ranks=[4, 2], dtype=torch.float32, device="cpu")
+    expert_ids = torch.tensor([[0], [2], [1], [0], [1]])
+    shrunk = backend.run_experts_lora_a(torch.randn(5, 1, 8), expert_ids, xa)
+    with pytest.raises(ValueError, match=r"^expert_ids has 4 rows but the batch info was built for 5 tokens"):
+        backend.run_experts_lora_b(shrunk, expert_ids[:4], xb)
     ea, _ = random_embedding_weights(gen, num_slots=2, max_rank=4, vocab_total=10, embedding_dim=6, lora_ranks=[4, 2],
                                      dtype=torch.float32, device="cpu")
     with pytest.raises(ValueError, match=r"^token ids outside the vocabulary \[0, 10\): ids\[1\] = 12, ids\[4\] = -1$"):

@@ -38,7 +38,8 @@ def shrink_rows(info: BatchInfo, inputs: tuple[torch.Tensor, ...], shrink: Shrin
 def gather_token_rows(info: BatchInfo, inputs: tuple[torch.Tensor, ...], name: str = "x") -> tuple[torch.Tensor, ...]:
     """``inputs``, each ``(T, ...)`` with a row per token of ``info``, a batch with pair rows, gathered
     to a row per row of ``info.pairs.view``: each row's token row. ``name``: the first input's, in an error."""
-    check_num_tokens(info, inputs[0].shape[0], name)  # before the gather reads rows by index
+    if inputs:
+        check_num_tokens(info, inputs[0].shape[0], name)  # before the gather reads rows by index
     return tuple(t.index_select(0, info.pairs.token_rows) for t in inputs)
 
 
@@ -52,18 +53,17 @@ def check_pair_rows(info: BatchInfo, shrunk: torch.Tensor) -> None:
 
 
 def expand_rows(info: BatchInfo, shrunk: torch.Tensor, inputs: tuple[torch.Tensor, ...], expand: Expand,
-                base_output: torch.Tensor | None) -> torch.Tensor:
+                base_output: torch.Tensor | None, name: str = "inputs[0]") -> torch.Tensor:
     """``expand(batch, shrunk, inputs, base_output)`` of :func:`shrink_rows`' output into ``base_output``
     (``(T, ...)``; zeros when ``None``): with pair rows, every row's delta (on the inputs gathered by its
-    token row) added into its token's row."""
+    token row) added into its token's row. ``name``: what the first input is called in an error."""
     pairs = info.pairs
     if pairs is None:
         return expand(info, shrunk, inputs, base_output)
     check_pair_rows(info, shrunk)
     if base_output is not None:
         check_num_tokens(info, base_output.shape[0], "base_output")
-    gathered = tuple(t.index_select(0, pairs.token_rows) for t in inputs)
-    delta = expand(pairs.view, shrunk, gathered, None)
+    delta = expand(pairs.view, shrunk, gather_token_rows(info, inputs, name), None)
     if base_output is None:
         base_output = delta.new_zeros(info.num_tokens, *delta.shape[1:])
     return base_output.index_add_(0, pairs.token_rows, delta.to(base_output.dtype))
@@ -222,7 +222,7 @@ class BatchInfoBackend(LoRABackend):
 
     def run_experts_lora_b(self, x, expert_ids, b_weights, base_output=None) -> torch.Tensor:
         return expand_rows(self.batch_info, x, (expert_ids,), lambda info, shrunk, inputs, out: self.experts_expand(
-            shrunk, inputs[0], b_weights, info, out), base_output)
+            shrunk, inputs[0], b_weights, info, out), base_output, "expert_ids")
 
     @abc.abstractmethod
     def experts_shrink(self, x: torch.Tensor, expert_ids: torch.Tensor, a_weights: torch.Tensor,
